@@ -8,6 +8,11 @@ The order of operations is the guarantee:
    after it the dir is fully patched.
 Every command classifies each recorded file as original / ours / edited, so an interrupted run is
 finished or undone by the next `patch` or `revert`, and user edits are never overwritten silently.
+`patch` never rewrites a file the unpatched config.json loads (remote code gets a new module name, see
+codegen.source), so a kill before step 3 leaves a dir that loads byte-for-byte as before; files an
+earlier patch wrote but this one doesn't are restored only after the commit point.
+Leftovers of a killed run (temp files, a state dir whose manifest was never written) are removed by the
+next run that takes the lock; a write that fails (disk full, permissions) rolls a first patch back.
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +42,8 @@ LOCK_WAIT_S = 30.0
 
 #: test hook: `CODEGEN_FAULT_AFTER=N` kills the process (exit 137, no cleanup) after the N-th file operation
 _FAULT_ENV = "CODEGEN_FAULT_AFTER"
+#: `.<name>.codegen-tmp-<pid>`: what `_atomic_write` / `_restore` write before the rename
+_TMP_NAME = re.compile(r"^\..+\.codegen-tmp-[0-9]+$")
 
 
 def sha256(data: bytes) -> str:
@@ -125,9 +134,10 @@ class ModelDir:
                 continue
             data = self.current_bytes(name)
             digest = sha256(data) if data is not None else None
-            if digest is not None and digest == record.get("written_sha256") and not path.is_symlink():
+            ours = {record.get("written_sha256"), record.get("previous_written_sha256")} - {None}
+            if digest is not None and digest in ours and not path.is_symlink():
                 result[name] = "ours"
-            elif original["kind"] == "absent" and data is None:
+            elif original["kind"] == "absent" and not path.is_symlink() and not path.exists():
                 result[name] = "original"
             elif original["kind"] == "file" and digest == original.get("sha256") and not path.is_symlink():
                 result[name] = "original"
@@ -146,6 +156,7 @@ class ModelDir:
             raise IOFailure(f"cannot open {self.path}: {exc.strerror}") from None
         try:
             deadline = time.monotonic() + wait_s
+            said = False
             while True:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -155,7 +166,12 @@ class ModelDir:
                         raise IOFailure(
                             f"{self.path} is locked by another codegen run: wait for it to finish and retry"
                         ) from None
+                    if not said:
+                        print(f"{self.path}: another codegen run holds the lock; waiting up to {wait_s:.0f}s",
+                              file=sys.stderr)
+                        said = True
                     time.sleep(0.1)
+            self._clean_leftovers()
             yield
         finally:
             os.close(fd)
@@ -180,28 +196,39 @@ class ModelDir:
                 )
         else:
             status = {}
-        # Files an earlier patch wrote but this one doesn't: back to their originals.
-        dropped = [n for n in files if n not in planned]
+        # Files an earlier patch wrote but this one doesn't: back to their originals, after the commit
+        # point (the patched config.json may still load them until the new one is in).
+        dropped = sorted(n for n in files if n not in planned)
         order = sorted((n for n in planned if n != CONFIG)) + ([CONFIG] if CONFIG in planned else [])
+        written: list[str] = []
+        fresh = previous is None and not self.state.exists()  # a failure can undo everything
         try:
             for name in order:
                 if name not in files:
                     files[name] = {"original": self._record_original(name).to_json()}
-                files[name]["written_sha256"] = sha256(planned[name])
-            manifest = {**manifest_info, "files": {n: files[n] for n in sorted(files) if n not in dropped}}
-            for name in dropped:
-                manifest["files"][name] = files[name]  # kept until restored below
+                record = files[name] = dict(files[name])
+                record["written_sha256"] = sha256(planned[name])
+                record.pop("previous_written_sha256", None)
+                if status.get(name) == "ours":
+                    # still ours if this run dies before rewriting it (else it would read as a user edit)
+                    current = sha256(self.current_bytes(name) or b"")
+                    if current != record["written_sha256"]:
+                        record["previous_written_sha256"] = current
+            manifest = {**manifest_info, "files": {n: files[n] for n in sorted(files)}}  # dropped kept for now
             self._write_manifest(manifest)
-            for name in dropped:
-                self._restore(name, files[name]["original"])
+            for name in order:
+                self._atomic_write(self.path / name, planned[name], self._mode_for(name, files[name]["original"]))
+                written.append(name)
             if dropped:
+                for name in dropped:
+                    if status.get(name) != "original":
+                        self._restore(name, files[name]["original"])
                 for name in dropped:
                     manifest["files"].pop(name)
                 self._write_manifest(manifest)
-            for name in order:
-                self._atomic_write(self.path / name, planned[name], self._mode_for(name, files[name]["original"]))
         except OSError as exc:
-            raise IOFailure(self._io_message(exc)) from None
+            rolled_back = fresh and self._roll_back(written, files)
+            raise IOFailure(self._io_message(exc, rolled_back)) from None
 
     def revert(self, manifest: dict, force: bool) -> list[str]:
         """Restore every recorded file (config.json first: the dir loads as before at once), then forget."""
@@ -220,10 +247,48 @@ class ModelDir:
                     self._restore(name, manifest["files"][name]["original"])
             self._remove_state()
         except OSError as exc:
-            raise IOFailure(self._io_message(exc)) from None
+            raise IOFailure(self._io_message(exc, rolled_back=None)) from None
         return [n for n in names if status[n] != "original"]
 
     # ---------------------------------------------------------------------------------------- internals
+
+    def _roll_back(self, written: list[str], files: dict) -> bool:
+        """A first patch failed (disk full, permissions): undo it so the dir is exactly as before."""
+        try:
+            for name in reversed(written):
+                self._restore(name, files[name]["original"])
+            if self.state.exists():
+                shutil.rmtree(self.state)
+                self._fsync_dir(self.path)
+            return True
+        except OSError:
+            return False
+
+    def _clean_leftovers(self) -> None:
+        """With the lock held, no other run is mid-write: temp files here are a killed run's, and a state
+        dir without a manifest is a first patch killed before its commit-free first step completed (or a
+        revert killed after forgetting). Both are removed; a state dir whose backups still differ from the
+        dir's files is left alone (its manifest was lost some other way: the backups are all that's left)."""
+        for folder in (self.path, self.state, self.state / ORIGINALS):
+            try:
+                entries = list(os.scandir(folder))
+            except OSError:
+                continue
+            for entry in entries:
+                if _TMP_NAME.match(entry.name) and not entry.is_dir(follow_symlinks=False):
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry.path)
+        if self.state.is_symlink() or not self.state.is_dir() or (self.state / MANIFEST).exists():
+            return
+        with contextlib.suppress(OSError):
+            backups = self.state / ORIGINALS
+            for entry in (os.scandir(backups) if backups.is_dir() else ()):
+                if not entry.is_file(follow_symlinks=False):
+                    return
+                if self.current_bytes_of_link(entry.name) != Path(entry.path).read_bytes():
+                    return
+            shutil.rmtree(self.state)
+            self._fsync_dir(self.path)
 
     def _record_original(self, name: str) -> Original:
         path = self.path / name
@@ -277,7 +342,9 @@ class ModelDir:
             self._step()
 
     def _atomic_write(self, path: Path, data: bytes, mode: int) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.parent.is_dir():
+            path.parent.mkdir(parents=True)
+            self._fsync_dir(path.parent.parent)
         tmp = path.with_name(f".{path.name}.codegen-tmp-{os.getpid()}")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -311,15 +378,24 @@ class ModelDir:
         if limit is not None and self._ops >= int(limit):
             os._exit(137)
 
-    def _io_message(self, exc: OSError) -> str:
+    def _io_message(self, exc: OSError, rolled_back: bool | None) -> str:
         if exc.errno == errno.ENOSPC:
             what = "disk full"
-        elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        elif exc.errno == errno.EROFS:
+            what = "read-only file system"
+        elif exc.errno in (errno.EACCES, errno.EPERM):
             what = "permission denied"
         else:
             what = exc.strerror or str(exc)
         where = exc.filename or self.path
-        return f"{what} writing {where}: nothing half-written; free space / fix permissions, then re-run (revert restores)"
+        if rolled_back:
+            outcome = f"{self.path} is unchanged; free space / fix permissions and re-run"
+        elif rolled_back is None:  # revert
+            outcome = f"nothing half-written; free space / fix permissions and re-run revert on {self.path}"
+        else:
+            outcome = (f"nothing half-written; free space / fix permissions, then re-run patch to finish "
+                       f"or revert to undo {self.path}")
+        return f"{what} writing {where}: {outcome}"
 
 
 def copy_with_linked_weights(src: Path, dst: Path) -> None:

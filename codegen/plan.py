@@ -36,8 +36,12 @@ def parse_config(data: bytes | None, directory: Path) -> dict:
         config = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise BadInput(f"{directory / CONFIG} is not valid JSON ({exc}): fix or re-download it") from None
+    except RecursionError:
+        raise BadInput(f"{directory / CONFIG} is nested too deeply to be a model config: fix or re-download it") from None
     if not isinstance(config, dict):
         raise BadInput(f"{directory / CONFIG} is not a JSON object: fix or re-download it")
+    if config.get("auto_map") is not None and not isinstance(config["auto_map"], dict):
+        raise BadInput(f"{directory / CONFIG}: auto_map must be a JSON object, got {config['auto_map']!r}")
     return config
 
 
@@ -76,7 +80,7 @@ def patched_config(original: dict, family: Family, module: str, coalesce: bool) 
     changed = {}
     for key, value in updates.items():
         if original.get(key, _MISSING) != value:
-            changed[key] = original.get(key, None) if key in original else {"absent": True}
+            changed[key] = {"existed": key in original, "value": original.get(key)}
             config[key] = value
     return config, changed
 
@@ -86,7 +90,31 @@ _MISSING = object()
 
 def dump_config(config: dict) -> bytes:
     # transformers writes config.json with indent=2 and sorted keys; keep the dir's style stable.
-    return (json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
+    try:
+        return (json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate ("\ud800" is valid JSON): keep it as a JSON escape
+        return (json.dumps(config, indent=2, sort_keys=True, ensure_ascii=True) + "\n").encode("utf-8")
+
+
+def render_helper_block(family: Family) -> str:
+    """The generated block `patch` inserts after the modeling source's imports (guard helper + marker)."""
+    return render(
+        "modeling_block.py.j2",
+        knob=KNOB,
+        patch_info={"tool": "codegen", "version": __version__, "family": family.model_type},
+    )
+
+
+def render_policy(family: Family, modeling_module: str) -> str:
+    """The `autotp_policy.py` `patch` writes next to the patched `<modeling_module>.py`."""
+    return render(
+        "autotp_policy.py.j2",
+        family=family.model_type,
+        knob=KNOB,
+        moe_classes=list(family.moe_classes),
+        layout=family.layout,
+        modeling_module=modeling_module,
+    )
 
 
 def make_plan(model_dir: ModelDir, source_override: Path | None, coalesce: bool) -> Plan:
@@ -108,20 +136,8 @@ def make_plan(model_dir: ModelDir, source_override: Path | None, coalesce: bool)
         display_name=source.origin_path,
         transformers_version=source.transformers_version,
     )
-    block = render(
-        "modeling_block.py.j2",
-        knob=KNOB,
-        patch_info={"tool": "codegen", "version": __version__, "family": family.model_type},
-    )
-    rewrite = rewrite_source(source.text, target, block)
-    policy = render(
-        "autotp_policy.py.j2",
-        family=family.model_type,
-        knob=KNOB,
-        moe_classes=list(family.moe_classes),
-        layout=family.layout,
-        modeling_module=source.module_name,
-    )
+    rewrite = rewrite_source(source.text, target, render_helper_block(family))
+    policy = render_policy(family, source.module_name)
     config, changes = patched_config(original_config, family, source.module_name, coalesce)
     files = {
         source.output_name: rewrite.code.encode("utf-8"),

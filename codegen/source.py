@@ -9,12 +9,20 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import importlib.util
+import keyword
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
 from codegen.errors import BadInput, BadSource
 from codegen.families import Family
+
+#: a dir's remote-code module `M` is patched into a new module `M_codegen`: `M.py`, which the unpatched
+#: config.json loads, is never rewritten, so until config.json (the commit point) goes in the dir loads
+#: byte-for-byte as before, and an HF cache snapshot's `M.py` symlink stays as it is
+PATCHED_SUFFIX = "_codegen"
+#: module names codegen writes itself (autotp_policy.py): remote code may not claim them
+RESERVED_MODULES = frozenset({"autotp_policy"})
 
 
 @dataclass(frozen=True)
@@ -65,8 +73,10 @@ def remote_module(config: Mapping) -> str | None:
             "download that modeling file into the model dir first"
         )
     module = ref.rsplit(".", 1)[0]
-    if not module.isidentifier():
+    if not (module.isascii() and module.isidentifier()) or keyword.iskeyword(module):
         raise BadInput(f"config.json auto_map module {module!r} is not a Python module name: fix auto_map")
+    if module in RESERVED_MODULES:
+        raise BadInput(f"config.json auto_map module {module!r} clashes with the file codegen writes: rename it")
     return module
 
 
@@ -84,7 +94,7 @@ def resolve_source(
         if not override.is_file():
             raise BadSource(f"--source {override}: no such file")
         text = _read_text(override)
-        output = f"{remote}.py" if remote else f"modeling_{family.model_type}.py"
+        output = f"{remote}{PATCHED_SUFFIX}.py" if remote else f"modeling_{family.model_type}.py"
         return ModelSource(family, str(override), "override", text, output, _package_of(override, family),
                            shipped, version)
     if remote is not None:
@@ -95,8 +105,8 @@ def resolve_source(
                 f"config.json auto_map names {name}, which is not in the model dir: copy the remote code "
                 "into the dir or pass --source FILE"
             )
-        return ModelSource(family, name, "remote", _decode(data, name), name, f"transformers.models.{family.model_type}",
-                           shipped, version)
+        return ModelSource(family, name, "remote", _decode(data, name), f"{remote}{PATCHED_SUFFIX}.py",
+                           f"transformers.models.{family.model_type}", shipped, version)
     if version is None:
         raise BadSource(
             "transformers is not installed and the dir ships no remote code: pip install transformers, "
@@ -126,7 +136,10 @@ def _package_of(path: Path, family: Family) -> str:
     parts = path.resolve().parts
     if "transformers" in parts:
         i = len(parts) - 1 - parts[::-1].index("transformers")
-        return ".".join(parts[i:-1])
+        package = parts[i:-1]
+        # the package becomes import statements: only plain identifiers, never text from an odd path
+        if all(p.isascii() and p.isidentifier() and not keyword.iskeyword(p) for p in package):
+            return ".".join(package)
     return f"transformers.models.{family.model_type}"
 
 

@@ -1,0 +1,420 @@
+"""The upstream regression matrix: pinned transformers sources, rewritten, diffed against `generated/`.
+
+`generated/<family>/<source-id>/modeling.diff` holds the expected unified diff of the rewrite of one pinned
+upstream modeling source, and `generated/<family>/autotp_policy.py` the policy `patch` writes next to it.
+Upstream files are never committed: the wheels are fetched on demand (`pip download --no-deps`) into a cache
+dir and the modeling file is read out of the wheel, so the fetch does not depend on the installed transformers.
+
+    python -m codegen.upstream check        # exit 1 and print the diff of diffs if generated/ drifted
+    python -m codegen.upstream regenerate   # rewrite generated/; review and commit its diff deliberately
+
+Cache: `$CODEGEN_UPSTREAM_CACHE`, else `~/.cache/codegen/upstream` (a dir holding the pinned wheels works offline).
+The expected outputs come from the code path `patch` uses: `rewrite_source` with `render_helper_block`, and
+`render_policy` (codegen.plan).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from codegen import __version__
+from codegen.errors import IOFailure
+from codegen.families import FAMILIES, Family
+from codegen.plan import render_helper_block, render_policy
+from codegen.rewrite import Rewrite, RewriteTarget, rewrite_source
+
+ROOT = Path(__file__).resolve().parent.parent
+GENERATED = ROOT / "generated"
+REGENERATE = "python -m codegen.upstream regenerate"
+
+#: Pinned transformers releases: version -> sha256 of `transformers-<version>-py3-none-any.whl` on PyPI.
+RELEASES: dict[str, str] = {
+    "4.45.2": "c551b33660cfc815bae1f9f097ecfd1e65be623f13c6ee0dda372bd881460210",
+    "4.51.3": "fd3279633ceb2b777013234bbf0b4f5c2d23c4626b05497691f00cfda55e8a83",
+    "4.57.6": "4c9e9de11333ddfe5114bc872c9f370509198acf0b87a832a0ab9458e2bd0550",
+    "5.0.0": "587086f249ce64c817213cf36afdb318d087f790723e9b3d4500b97832afd52d",
+    "5.24.0": "ff5ebedf9359f94bb63772b6380eba6e7104d010cbbb2cb82c788817ea7486f6",  # latest 5.x, the pinned one
+}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One upstream source of one family: where it comes from and how `patch` would see it."""
+
+    family: str
+    #: directory under generated/<family>/
+    source_id: str
+    #: transformers release whose wheel ships the source; None for a file of this repository
+    release: str | None
+    #: path inside the wheel, or relative to the repository root
+    path: str
+    #: absolute package relative imports resolve against
+    package: str
+    #: modules shipped next to the modeling file in the model dir (relative imports to them stay relative)
+    shipped_modules: frozenset[str] = frozenset()
+
+    @property
+    def id(self) -> str:
+        return f"{self.family}/{self.source_id}"
+
+    @property
+    def output_name(self) -> str:
+        """The file name `patch` gives the patched source in the model dir."""
+        return self.path.rsplit("/", 1)[-1]
+
+    @property
+    def module_name(self) -> str:
+        return self.output_name.removesuffix(".py")
+
+    @property
+    def origin(self) -> str:
+        return f"transformers=={self.release}" if self.release else "this repository"
+
+    @property
+    def diff_path(self) -> Path:
+        return GENERATED / self.family / self.source_id / "modeling.diff"
+
+    @property
+    def policy_path(self) -> Path:
+        """Built-in sources share one policy per family; a source shipped in the model dir names its own module."""
+        if self.module_name == _builtin_module_name(self.family):
+            return GENERATED / self.family / "autotp_policy.py"
+        return GENERATED / self.family / self.source_id / "autotp_policy.py"
+
+
+def _builtin_module_name(family: str) -> str:
+    return FAMILIES[family].builtin_module.rsplit(".", 1)[-1]
+
+
+def _builtin(family: str, release: str) -> Entry:
+    module = FAMILIES[family].builtin_module
+    return Entry(
+        family=family,
+        source_id=f"transformers-{release}",
+        release=release,
+        path=module.replace(".", "/") + ".py",
+        package=module.rsplit(".", 1)[0],
+    )
+
+
+#: The matrix. Each family covers every pinned release that ships it (test_regression checks the wheels).
+MATRIX: tuple[Entry, ...] = (
+    *(_builtin("qwen2_moe", r) for r in ("4.45.2", "4.51.3", "4.57.6", "5.0.0", "5.24.0")),
+    *(_builtin("deepseek_v2", r) for r in ("4.57.6", "5.0.0", "5.24.0")),
+    # hub-style remote code, shipped in the model dir next to its configuration module
+    Entry(
+        family="deepseek_v2",
+        source_id="hub_deepseek",
+        release=None,
+        path="tests/fixtures/hub_deepseek/modeling_deepseek.py",
+        package="transformers.models.deepseek_v2",
+        shipped_modules=frozenset({"configuration_deepseek"}),
+    ),
+)
+
+
+# ---------------------------------------------------------------------------------------------- fetching
+
+
+class FetchFailed(IOFailure):
+    """A pinned wheel could not be downloaded or read; the message is one line."""
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("CODEGEN_UPSTREAM_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "codegen" / "upstream"
+
+
+def wheel_name(release: str) -> str:
+    return f"transformers-{release}-py3-none-any.whl"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fetch_wheel(release: str, cache: Path | None = None) -> Path:
+    """The pinned wheel of `release` in the cache dir, downloaded with pip if it is not there yet."""
+    pinned = RELEASES[release]
+    cache = cache_dir() if cache is None else cache
+    wheel = cache / wheel_name(release)
+    if wheel.is_file() and _sha256(wheel) == pinned:
+        return wheel
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise FetchFailed(f"cannot create the upstream cache {cache}: {exc.strerror}; set CODEGEN_UPSTREAM_CACHE") from None
+    with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
+        cmd = [
+            sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--ignore-requires-python",
+            "--disable-pip-version-check", "--quiet", f"transformers=={release}", "-d", tmp,
+        ]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise FetchFailed(f"pip download transformers=={release} did not finish ({exc}); {_offline_hint(release, cache)}") from None
+        got = Path(tmp) / wheel_name(release)
+        if done.returncode != 0 or not got.is_file():
+            lines = [ln.strip() for ln in (done.stderr or done.stdout).splitlines() if ln.strip()]
+            why = lines[-1] if lines else f"exit {done.returncode}, no {wheel_name(release)}"
+            raise FetchFailed(f"pip download transformers=={release} failed: {why}; {_offline_hint(release, cache)}")
+        actual = _sha256(got)
+        if actual != pinned:
+            raise FetchFailed(f"downloaded {wheel_name(release)} has sha256 {actual}, pinned {pinned}: refusing it")
+        os.replace(got, wheel)  # atomic: concurrent runs never see a partial wheel
+    return wheel
+
+
+def _offline_hint(release: str, cache: Path) -> str:
+    return f"to work offline put {wheel_name(release)} into {cache} (or point CODEGEN_UPSTREAM_CACHE at a dir holding it)"
+
+
+def wheel_members(release: str, cache: Path | None = None) -> frozenset[str]:
+    with zipfile.ZipFile(fetch_wheel(release, cache)) as wheel:
+        return frozenset(wheel.namelist())
+
+
+def read_source(entry: Entry, cache: Path | None = None) -> str:
+    """The unpatched text of one matrix entry (from the pinned wheel, or from this repository)."""
+    if entry.release is None:
+        return (ROOT / entry.path).read_text(encoding="utf-8")
+    wheel = fetch_wheel(entry.release, cache)
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            return zf.read(entry.path).decode("utf-8")
+    except KeyError:
+        raise FetchFailed(f"{wheel.name} does not ship {entry.path}: fix the matrix in codegen/upstream.py") from None
+    except zipfile.BadZipFile:
+        raise FetchFailed(f"{wheel} is not a wheel: delete it and run again") from None
+
+
+# ----------------------------------------------------------------------------------------------- outputs
+
+
+@dataclass(frozen=True)
+class Result:
+    entry: Entry
+    original: str
+    rewrite: Rewrite
+    #: expected files: path relative to the repository root -> text
+    files: dict[str, str]
+
+    @property
+    def patched(self) -> str:
+        return self.rewrite.code
+
+
+def target_of(entry: Entry) -> RewriteTarget:
+    family: Family = FAMILIES[entry.family]
+    return RewriteTarget(
+        family=family,
+        package=entry.package,
+        shipped_modules=entry.shipped_modules,
+        display_name=f"{entry.path} ({entry.origin})",
+        transformers_version=entry.release,
+    )
+
+
+def _header(lines: list[str]) -> str:
+    return "".join(f"# {line}\n".replace("# \n", "#\n") for line in lines)
+
+
+def _generated_note(*what: str) -> list[str]:
+    return [
+        f"GENERATED by `{REGENERATE}` (codegen {__version__}): do not edit.",
+        *what,
+        f"To update after a deliberate change: `{REGENERATE}`, then review and commit the diff of generated/.",
+    ]
+
+
+def modeling_diff(entry: Entry, original: str, patched: str) -> str:
+    source_sha = hashlib.sha256(original.encode("utf-8")).hexdigest()
+    origin = f"the wheel of transformers=={entry.release}" if entry.release else "this repository"
+    header = _header(
+        _generated_note(
+            f"Expected rewrite of {entry.path} from {origin} (sha256 {source_sha}),",
+            f"as `python -m codegen patch` writes it into a model dir as {entry.output_name}.",
+        )
+    )
+    fromfile = f"a/{entry.path}"
+    body = difflib.unified_diff(
+        original.splitlines(keepends=True), patched.splitlines(keepends=True), fromfile=fromfile,
+        tofile=f"b/{entry.output_name}",
+    )
+    text = "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in body)
+    return header + text
+
+
+def policy_file(entry: Entry, policy: str) -> str:
+    users = ", ".join(e.source_id for e in MATRIX if e.policy_path == entry.policy_path)
+    header = _header(
+        _generated_note(
+            f"Expected {entry.family} autotp_policy.py that `python -m codegen patch` writes next to "
+            f"{entry.output_name} (sources: {users})."
+        )
+    )
+    return header + policy
+
+
+def build(entry: Entry, cache: Path | None = None) -> Result:
+    """Rewrite one entry exactly as `patch` does and render its expected generated/ files (once per process)."""
+    return _build(entry, cache_dir() if cache is None else cache)
+
+
+@lru_cache(maxsize=None)
+def _build(entry: Entry, cache: Path) -> Result:
+    family = FAMILIES[entry.family]
+    original = read_source(entry, cache)
+    rewrite = rewrite_source(original, target_of(entry), render_helper_block(family))
+    files = {
+        _rel(entry.diff_path): modeling_diff(entry, original, rewrite.code),
+        _rel(entry.policy_path): policy_file(entry, render_policy(family, entry.module_name)),
+    }
+    return Result(entry, original, rewrite, files)
+
+
+def _rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def index_file(results: list[Result]) -> str:
+    rows = []
+    for r in results:
+        diff = r.files[_rel(r.entry.diff_path)]
+        plus = sum(1 for ln in diff.splitlines() if ln.startswith("+") and not ln.startswith("+++"))
+        minus = sum(1 for ln in diff.splitlines() if ln.startswith("-") and not ln.startswith("---"))
+        kind = "fused 3-D experts" if r.rewrite.fused_experts else "per-expert modules"
+        rows.append(
+            f"| {r.entry.family} | {r.entry.source_id} | {r.entry.origin} | {r.rewrite.moe_class}.forward: "
+            f"`{r.rewrite.reduced_variable}` (line {r.rewrite.anchor_line}) | {kind} | +{plus} -{minus} |"
+        )
+    return (
+        "<!-- " + " ".join(_generated_note("Index of the upstream regression matrix.")) + " -->\n"
+        "# generated/: expected rewrites of pinned upstream sources\n\n"
+        "Each `<family>/<source>/modeling.diff` is the unified diff `python -m codegen patch` applies to that\n"
+        "source; `autotp_policy.py` is the policy it writes beside it. The upstream files themselves are never\n"
+        "committed: `codegen/upstream.py` downloads the pinned wheels and `tests/test_regression.py`\n"
+        f"(`pytest -m regression`) compares a fresh rewrite with these files. After a deliberate change run\n"
+        f"`{REGENERATE}` and review the diff of this directory.\n\n"
+        "| family | source | from | reduction after | experts | diff |\n"
+        "|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
+    )
+
+
+INDEX = "generated/README.md"
+
+
+def expected_files(cache: Path | None = None) -> dict[str, str]:
+    """Every file generated/ must hold, by path relative to the repository root."""
+    results = [build(entry, cache) for entry in MATRIX]
+    files: dict[str, str] = {}
+    for result in results:
+        for name, text in result.files.items():
+            if files.setdefault(name, text) != text:
+                raise AssertionError(f"{name}: matrix entries sharing it render it differently")  # pragma: no cover
+    files[INDEX] = index_file(results)
+    return files
+
+
+def committed_files() -> dict[str, str]:
+    if not GENERATED.is_dir():
+        return {}
+    return {
+        _rel(p): p.read_text(encoding="utf-8")
+        for p in sorted(GENERATED.rglob("*"))
+        if p.is_file() and "__pycache__" not in p.parts
+    }
+
+
+def diff_of_diffs(name: str, committed: str | None, fresh: str | None) -> str:
+    """How a committed generated/ file differs from a fresh rewrite (`-` committed, `+` fresh)."""
+    a = [] if committed is None else committed.splitlines(keepends=True)
+    b = [] if fresh is None else fresh.splitlines(keepends=True)
+    out = difflib.unified_diff(
+        a, b, fromfile=f"committed/{name}" if committed is not None else "/dev/null",
+        tofile=f"fresh/{name}" if fresh is not None else "/dev/null",
+    )
+    return "".join(line if line.endswith("\n") else line + "\n" for line in out)
+
+
+def drift(cache: Path | None = None) -> str:
+    """The diff of diffs between generated/ and a fresh rewrite of the matrix; empty when up to date."""
+    expected = expected_files(cache)
+    committed = committed_files()
+    return "".join(
+        diff_of_diffs(name, committed.get(name), expected.get(name)) for name in sorted(set(expected) | set(committed))
+        if committed.get(name) != expected.get(name)
+    )
+
+
+def regenerate(cache: Path | None = None) -> list[str]:
+    """Rewrite generated/ from the matrix (and delete files no entry produces); returns the changed paths."""
+    expected = expected_files(cache)
+    committed = committed_files()
+    changed = []
+    for name, text in expected.items():
+        if committed.get(name) != text:
+            path = ROOT / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8", newline="\n")
+            changed.append(name)
+    for name in set(committed) - set(expected):
+        (ROOT / name).unlink()
+        changed.append(name)
+    for directory in sorted((p for p in GENERATED.rglob("*") if p.is_dir()), reverse=True):
+        if not any(directory.iterdir()):
+            directory.rmdir()
+    return sorted(changed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m codegen.upstream", description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=("check", "regenerate", "fetch"),
+                        help="check: exit 1 on drift; regenerate: rewrite generated/; fetch: fill the cache")
+    parser.add_argument("--cache", type=Path, help="wheel cache dir (default: $CODEGEN_UPSTREAM_CACHE or "
+                        "~/.cache/codegen/upstream)")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "fetch":
+            for release in RELEASES:
+                print(fetch_wheel(release, args.cache))
+            return 0
+        if args.command == "check":
+            text = drift(args.cache)
+            if text:
+                sys.stdout.write(text)
+                print(f"generated/ is out of date: run `{REGENERATE}` and review the diff", file=sys.stderr)
+                return 1
+            print(f"generated/ is up to date ({len(MATRIX)} sources)", file=sys.stderr)
+            return 0
+        changed = regenerate(args.cache)
+        for name in changed:
+            print(f"wrote {name}" if (ROOT / name).exists() else f"deleted {name}")
+        print(f"{len(changed)} file(s) changed in generated/; review them with `git diff generated/`", file=sys.stderr)
+        return 0
+    except FetchFailed as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return exc.exit_code
+    except Exception as exc:  # a BadSource here means an upstream source no longer rewrites: say which
+        message = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
+        print(f"error: {message}", file=sys.stderr)
+        return getattr(exc, "exit_code", 70)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

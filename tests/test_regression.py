@@ -1,0 +1,244 @@
+"""Regression matrix: pinned upstream modeling sources, rewritten as `patch` does, diffed against generated/.
+
+The sources come from the pinned transformers wheels (downloaded into the cache by codegen.upstream, never
+committed) and from tests/fixtures/hub_deepseek; nothing here imports the installed transformers, so the
+tests give the same answer under transformers 4.x and 5.x. Besides the exact comparison with generated/,
+each entry is checked for the properties the rewrite promises, with `ast` and independently of the rewriter.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from codegen import upstream
+from codegen.errors import BadSource
+from codegen.families import FAMILIES
+from codegen.plan import render_helper_block
+from codegen.rewrite import HELPER, rewrite_source
+from codegen.upstream import MATRIX, RELEASES, REGENERATE, Entry
+
+pytestmark = pytest.mark.regression
+
+IDS = [e.id for e in MATRIX]
+
+
+def _result(entry: Entry) -> upstream.Result:
+    """The entry's fresh rewrite, computed once per session (upstream.build caches it)."""
+    try:
+        return upstream.build(entry)
+    except upstream.FetchFailed as exc:
+        pytest.fail(f"{entry.id}: {exc.message}", pytrace=False)
+    except BadSource as exc:
+        pytest.fail(f"{entry.id}: the pinned source no longer rewrites: {exc.message}", pytrace=False)
+
+
+def _stale(name: str, committed: str | None, fresh: str | None) -> str:
+    return (
+        f"{name} does not match a fresh rewrite (diff of diffs, - committed / + fresh):\n"
+        f"{upstream.diff_of_diffs(name, committed, fresh)}\n"
+        f"If the change is intended, run `{REGENERATE}` and review the diff of generated/."
+    )
+
+
+# ------------------------------------------------------------------------------------ exact comparison
+
+
+@pytest.mark.parametrize("entry", MATRIX, ids=IDS)
+def test_rewrite_matches_generated(entry: Entry) -> None:
+    result = _result(entry)
+    committed = upstream.committed_files()
+    for name, fresh in result.files.items():
+        assert committed.get(name) == fresh, _stale(name, committed.get(name), fresh)
+
+
+def test_generated_dir_holds_exactly_the_matrix() -> None:
+    for entry in MATRIX:
+        _result(entry)
+    expected = upstream.expected_files()
+    committed = upstream.committed_files()
+    extra = sorted(set(committed) - set(expected))
+    missing = sorted(set(expected) - set(committed))
+    assert not extra and not missing, (
+        f"generated/ has files no matrix entry produces {extra} or lacks {missing}: run `{REGENERATE}`"
+    )
+    assert committed[upstream.INDEX] == expected[upstream.INDEX], _stale(
+        upstream.INDEX, committed[upstream.INDEX], expected[upstream.INDEX]
+    )
+
+
+def test_generated_files_say_how_they_were_made() -> None:
+    for name, text in upstream.committed_files().items():
+        head = text.splitlines()[0]
+        assert "GENERATED" in head and REGENERATE in head, f"{name}: first line does not say it is generated"
+        assert str(Path.home()) not in text and str(upstream.ROOT) not in text, f"{name}: machine-specific path"
+
+
+# ------------------------------------------------------------------------------------ matrix coverage
+
+
+def test_matrix_covers_every_pinned_release_that_ships_a_family() -> None:
+    """A family is in the matrix for a release exactly when that release's wheel ships its modeling file."""
+    covered = {(e.family, e.release) for e in MATRIX if e.release}
+    for release in RELEASES:
+        try:
+            members = upstream.wheel_members(release)
+        except upstream.FetchFailed as exc:
+            pytest.fail(exc.message, pytrace=False)
+        for family in FAMILIES.values():
+            ships = family.builtin_module.replace(".", "/") + ".py" in members
+            assert ships == ((family.model_type, release) in covered), (
+                f"transformers {release} {'ships' if ships else 'does not ship'} {family.builtin_module}: "
+                "fix MATRIX in codegen/upstream.py"
+            )
+
+
+def test_known_good_releases_are_the_matrix() -> None:
+    """The releases error messages call known to work are the ones this matrix proves."""
+    for family in FAMILIES.values():
+        quoted = {v for v in family.known_good if v[0].isdigit()}
+        assert quoted == {e.release for e in MATRIX if e.family == family.model_type and e.release}
+
+
+# ------------------------------------------------------------------------------------ properties
+
+
+def _class(tree: ast.Module, names) -> ast.ClassDef:
+    found = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in names]
+    assert len(found) == 1, f"expected one of {names} at module level, found {[c.name for c in found]}"
+    return found[0]
+
+
+def _helper_calls(tree: ast.AST) -> list[ast.Call]:
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == HELPER]
+
+
+def _is_sum_into(node: ast.AST, var: str, source: str) -> bool:
+    """`var = a + b` or `var += b`, where the expression involves a shared expert output."""
+    if isinstance(node, ast.Assign) and isinstance(node.value, ast.BinOp) and isinstance(node.value.op, ast.Add):
+        into = len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) and node.targets[0].id == var
+    elif isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add):
+        into = isinstance(node.target, ast.Name) and node.target.id == var
+    else:
+        return False
+    return into and "shared" in (ast.get_source_segment(source, node) or "")
+
+
+@pytest.mark.parametrize("entry", MATRIX, ids=IDS)
+def test_patched_source_compiles_and_reduces_once_after_the_sum(entry: Entry) -> None:
+    result = _result(entry)
+    family = FAMILIES[entry.family]
+    patched = result.patched
+    compile(patched, entry.output_name, "exec")
+    tree = ast.parse(patched)
+
+    calls = _helper_calls(tree)
+    assert len(calls) == 1, f"{len(calls)} calls of {HELPER} in {entry.id}, expected exactly one"
+    call = calls[0]
+    assert len(call.args) == 2 and isinstance(call.args[0], ast.Name) and call.args[0].id == "self"
+
+    moe = _class(tree, family.moe_classes)
+    forward = [n for n in moe.body if isinstance(n, ast.FunctionDef) and n.name == "forward"]
+    assert len(forward) == 1
+    body = forward[0].body
+    index = [i for i, stmt in enumerate(body) if call in ast.walk(stmt)]
+    assert index, f"the reduction is not in {moe.name}.forward"
+    i = index[0]
+    reduction = body[i]
+    assert isinstance(reduction, ast.Assign) and reduction.value is call, "the reduction is not its own statement"
+    var = reduction.targets[0].id
+    assert isinstance(call.args[1], ast.Name) and call.args[1].id == var, "the reduction must rebind its input"
+    assert i > 0 and any(_is_sum_into(n, var, patched) for n in ast.walk(body[i - 1])), (
+        f"the statement before the reduction in {moe.name}.forward is not the routed + shared sum into {var}:\n"
+        + (ast.get_source_segment(patched, body[i - 1]) or "")
+    )
+    # the only line between the sum and the reduction is codegen's comment
+    sum_end = body[i - 1].end_lineno
+    between = patched.splitlines()[sum_end : reduction.lineno - 1]
+    assert [ln.strip() for ln in between] == ["# codegen: one all-reduce per MoE layer covers routed + shared experts"]
+    assert result.rewrite.reduced_variable == var
+
+
+@pytest.mark.parametrize("entry", MATRIX, ids=IDS)
+def test_relative_imports_made_absolute_except_shipped(entry: Entry) -> None:
+    result = _result(entry)
+    before = [n for n in ast.walk(ast.parse(result.original)) if isinstance(n, ast.ImportFrom) and n.level]
+    after = [n for n in ast.walk(ast.parse(result.patched)) if isinstance(n, ast.ImportFrom)]
+    left = [n for n in after if n.level]
+    for node in left:
+        assert node.level == 1 and (node.module or "").split(".")[0] in entry.shipped_modules, (
+            f"relative import left in {entry.id} at line {node.lineno}: from {'.' * node.level}{node.module or ''}"
+        )
+    assert {n.module for n in left} == {n.module for n in before if n.level == 1 and n.module in entry.shipped_modules}
+    if entry.release is None:
+        return
+    # every relative import of the wheel's file now names a module the same wheel ships
+    assert len(result.rewrite.absolutized_imports) == len(before) > 0
+    members = upstream.wheel_members(entry.release)
+    for module in result.rewrite.absolutized_imports:
+        path = module.replace(".", "/")
+        assert f"{path}.py" in members or f"{path}/__init__.py" in members, f"{entry.id}: no module {module}"
+
+
+def _major(entry: Entry) -> int | None:
+    return int(entry.release.split(".")[0]) if entry.release else None
+
+
+@pytest.mark.parametrize("entry", MATRIX, ids=IDS)
+def test_native_loading_declared_for_5x_only(entry: Entry) -> None:
+    result = _result(entry)
+    tree = ast.parse(result.patched)
+    family = FAMILIES[entry.family]
+    bases = [
+        c for c in tree.body
+        if isinstance(c, ast.ClassDef) and c.name.endswith(family.pretrained_class_suffix)
+        and any(isinstance(b, ast.Name) and b.id == "PreTrainedModel" for b in c.bases)
+    ]
+    assert len(bases) == 1, f"{entry.id}: {len(bases)} *PreTrainedModel base classes"
+    methods = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "is_custom_code"]
+    if _major(entry) is not None and _major(entry) >= 5:
+        own = [n for n in bases[0].body if isinstance(n, ast.FunctionDef) and n.name == "is_custom_code"]
+        assert len(own) == 1 and methods == own, f"{entry.id}: is_custom_code must be on {bases[0].name} only"
+        method = own[0]
+        assert [ast.unparse(d) for d in method.decorator_list] == ["classmethod"]
+        returns = [n for n in ast.walk(method) if isinstance(n, ast.Return)]
+        assert len(returns) == 1 and isinstance(returns[0].value, ast.Constant) and returns[0].value.value is False
+    else:
+        assert not methods, f"{entry.id}: a transformers 4.x source must not get is_custom_code"
+
+
+@pytest.mark.parametrize("entry", MATRIX, ids=IDS)
+def test_rewriting_a_patched_source_is_refused(entry: Entry) -> None:
+    result = _result(entry)
+    block = render_helper_block(FAMILIES[entry.family])
+    with pytest.raises(BadSource, match=re.escape("already patched by codegen")):
+        rewrite_source(result.patched, upstream.target_of(entry), block)
+
+
+# ------------------------------------------------------------------------------------ fetching
+
+
+def test_download_failure_is_one_clear_line(tmp_path, monkeypatch) -> None:
+    def failing_pip(cmd, **kwargs):
+        assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd and "transformers==5.24.0" in cmd
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: Could not find a version\nERROR: No network\n")
+
+    (tmp_path / upstream.wheel_name("5.24.0")).write_bytes(b"not the pinned wheel")
+    monkeypatch.setattr(upstream.subprocess, "run", failing_pip)
+    with pytest.raises(upstream.FetchFailed) as info:
+        upstream.fetch_wheel("5.24.0", tmp_path)
+    message = info.value.message
+    assert "\n" not in message
+    assert "transformers==5.24.0" in message and "No network" in message and "CODEGEN_UPSTREAM_CACHE" in message
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".download-")], "temporary download dir left behind"
+
+
+def test_cache_dir_default_and_override(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("CODEGEN_UPSTREAM_CACHE", str(tmp_path))
+    assert upstream.cache_dir() == tmp_path
+    monkeypatch.delenv("CODEGEN_UPSTREAM_CACHE")
+    assert upstream.cache_dir() == Path.home() / ".cache" / "codegen" / "upstream"
