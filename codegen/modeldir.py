@@ -148,8 +148,9 @@ class ModelDir:
     # ------------------------------------------------------------------------------------------ locking
 
     @contextlib.contextmanager
-    def locked(self, wait_s: float = LOCK_WAIT_S) -> Iterator[None]:
+    def locked(self, wait_s: float | None = None) -> Iterator[None]:
         """flock on the directory itself: no lock file, so nothing is left behind in the user's dir."""
+        wait_s = LOCK_WAIT_S if wait_s is None else wait_s
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
         except OSError as exc:
@@ -387,7 +388,9 @@ class ModelDir:
             what = "permission denied"
         else:
             what = exc.strerror or str(exc)
-        where = exc.filename or self.path
+        where = Path(exc.filename or self.path)
+        if _TMP_NAME.match(where.name):  # name the file being written, not its temp file
+            where = where.with_name(where.name[1:].rsplit(".codegen-tmp-", 1)[0])
         if rolled_back:
             outcome = f"{self.path} is unchanged; free space / fix permissions and re-run"
         elif rolled_back is None:  # revert

@@ -33,6 +33,7 @@ from codegen.errors import IOFailure
 from codegen.families import FAMILIES, Family
 from codegen.plan import render_helper_block, render_policy
 from codegen.rewrite import Rewrite, RewriteTarget, rewrite_source
+from codegen.source import PATCHED_SUFFIX
 
 ROOT = Path(__file__).resolve().parent.parent
 GENERATED = ROOT / "generated"
@@ -70,8 +71,11 @@ class Entry:
 
     @property
     def output_name(self) -> str:
-        """The file name `patch` gives the patched source in the model dir."""
-        return self.path.rsplit("/", 1)[-1]
+        """The file name `patch` gives the patched source in the model dir (codegen.source.resolve_source)."""
+        name = self.path.rsplit("/", 1)[-1]
+        if self.release is None:  # remote code `M.py` shipped in the dir is patched into a new module `M_codegen`
+            return name.removesuffix(".py") + PATCHED_SUFFIX + ".py"
+        return name
 
     @property
     def module_name(self) -> str:
@@ -158,7 +162,9 @@ def fetch_wheel(release: str, cache: Path | None = None) -> Path:
     try:
         cache.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise FetchFailed(f"cannot create the upstream cache {cache}: {exc.strerror}; set CODEGEN_UPSTREAM_CACHE") from None
+        raise FetchFailed(
+            f"cannot create the upstream cache {cache}: {exc.strerror}; set CODEGEN_UPSTREAM_CACHE"
+        ) from None
     with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
         cmd = [
             sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--ignore-requires-python",
@@ -167,7 +173,9 @@ def fetch_wheel(release: str, cache: Path | None = None) -> Path:
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         except (OSError, subprocess.TimeoutExpired) as exc:
-            raise FetchFailed(f"pip download transformers=={release} did not finish ({exc}); {_offline_hint(release, cache)}") from None
+            raise FetchFailed(
+                f"pip download transformers=={release} did not finish ({exc}); {_offline_hint(release, cache)}"
+            ) from None
         got = Path(tmp) / wheel_name(release)
         if done.returncode != 0 or not got.is_file():
             lines = [ln.strip() for ln in (done.stderr or done.stdout).splitlines() if ln.strip()]
@@ -181,7 +189,10 @@ def fetch_wheel(release: str, cache: Path | None = None) -> Path:
 
 
 def _offline_hint(release: str, cache: Path) -> str:
-    return f"to work offline put {wheel_name(release)} into {cache} (or point CODEGEN_UPSTREAM_CACHE at a dir holding it)"
+    return (
+        f"to work offline put {wheel_name(release)} into {cache} "
+        "(or point CODEGEN_UPSTREAM_CACHE at a dir holding it)"
+    )
 
 
 def wheel_members(release: str, cache: Path | None = None) -> frozenset[str]:
@@ -282,20 +293,21 @@ def _build(entry: Entry, cache: Path) -> Result:
     original = read_source(entry, cache)
     rewrite = rewrite_source(original, target_of(entry), render_helper_block(family))
     files = {
-        _rel(entry.diff_path): modeling_diff(entry, original, rewrite.code),
-        _rel(entry.policy_path): policy_file(entry, render_policy(family, entry.module_name)),
+        repo_path(entry.diff_path): modeling_diff(entry, original, rewrite.code),
+        repo_path(entry.policy_path): policy_file(entry, render_policy(family, entry.module_name)),
     }
     return Result(entry, original, rewrite, files)
 
 
-def _rel(path: Path) -> str:
+def repo_path(path: Path) -> str:
+    """`path` relative to the repository root, as generated/ files are named."""
     return path.relative_to(ROOT).as_posix()
 
 
 def index_file(results: list[Result]) -> str:
     rows = []
     for r in results:
-        diff = r.files[_rel(r.entry.diff_path)]
+        diff = r.files[repo_path(r.entry.diff_path)]
         plus = sum(1 for ln in diff.splitlines() if ln.startswith("+") and not ln.startswith("+++"))
         minus = sum(1 for ln in diff.splitlines() if ln.startswith("-") and not ln.startswith("---"))
         kind = "fused 3-D experts" if r.rewrite.fused_experts else "per-expert modules"
@@ -335,7 +347,7 @@ def committed_files() -> dict[str, str]:
     if not GENERATED.is_dir():
         return {}
     return {
-        _rel(p): p.read_text(encoding="utf-8")
+        repo_path(p): p.read_text(encoding="utf-8")
         for p in sorted(GENERATED.rglob("*"))
         if p.is_file() and "__pycache__" not in p.parts
     }
@@ -349,7 +361,12 @@ def diff_of_diffs(name: str, committed: str | None, fresh: str | None) -> str:
         a, b, fromfile=f"committed/{name}" if committed is not None else "/dev/null",
         tofile=f"fresh/{name}" if fresh is not None else "/dev/null",
     )
-    return "".join(line if line.endswith("\n") else line + "\n" for line in out)
+    text = "".join(line if line.endswith("\n") else line + "\n" for line in out)
+    if committed is None:
+        return f"missing from generated/: {name}\n{text}"
+    if fresh is None:
+        return f"stale in generated/ (no matrix entry produces it): {name}\n{text}"
+    return text
 
 
 def drift(cache: Path | None = None) -> str:

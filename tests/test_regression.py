@@ -9,7 +9,10 @@ each entry is checked for the properties the rewrite promises, with `ast` and in
 from __future__ import annotations
 
 import ast
+import importlib.metadata
+import json
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -18,7 +21,8 @@ import pytest
 from codegen import upstream
 from codegen.errors import BadSource
 from codegen.families import FAMILIES
-from codegen.plan import render_helper_block
+from codegen.modeldir import ModelDir
+from codegen.plan import POLICY, make_plan, render_helper_block
 from codegen.rewrite import HELPER, rewrite_source
 from codegen.upstream import MATRIX, RELEASES, REGENERATE, Entry
 
@@ -52,8 +56,11 @@ def _stale(name: str, committed: str | None, fresh: str | None) -> str:
 def test_rewrite_matches_generated(entry: Entry) -> None:
     result = _result(entry)
     committed = upstream.committed_files()
-    for name, fresh in result.files.items():
-        assert committed.get(name) == fresh, _stale(name, committed.get(name), fresh)
+    stale = [
+        _stale(name, committed.get(name), fresh) for name, fresh in result.files.items() if committed.get(name) != fresh
+    ]
+    if stale:
+        pytest.fail("\n".join(stale), pytrace=False)
 
 
 def test_generated_dir_holds_exactly_the_matrix() -> None:
@@ -63,12 +70,11 @@ def test_generated_dir_holds_exactly_the_matrix() -> None:
     committed = upstream.committed_files()
     extra = sorted(set(committed) - set(expected))
     missing = sorted(set(expected) - set(committed))
-    assert not extra and not missing, (
-        f"generated/ has files no matrix entry produces {extra} or lacks {missing}: run `{REGENERATE}`"
-    )
-    assert committed[upstream.INDEX] == expected[upstream.INDEX], _stale(
-        upstream.INDEX, committed[upstream.INDEX], expected[upstream.INDEX]
-    )
+    if extra or missing:
+        pytest.fail(f"generated/ has files no matrix entry produces {extra} or lacks {missing}: run `{REGENERATE}`",
+                    pytrace=False)
+    if committed[upstream.INDEX] != expected[upstream.INDEX]:
+        pytest.fail(_stale(upstream.INDEX, committed[upstream.INDEX], expected[upstream.INDEX]), pytrace=False)
 
 
 def test_generated_files_say_how_they_were_made() -> None:
@@ -76,6 +82,35 @@ def test_generated_files_say_how_they_were_made() -> None:
         head = text.splitlines()[0]
         assert "GENERATED" in head and REGENERATE in head, f"{name}: first line does not say it is generated"
         assert str(Path.home()) not in text and str(upstream.ROOT) not in text, f"{name}: machine-specific path"
+
+
+def _installed_transformers() -> str | None:
+    try:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@pytest.mark.parametrize("entry", MATRIX, ids=IDS)
+def test_patch_writes_what_generated_expects(entry: Entry, tmp_path: Path) -> None:
+    """`make_plan` (what `patch` writes) agrees with upstream.build for the sources this environment resolves."""
+    installed = _installed_transformers()
+    if entry.release is not None and entry.release != installed:
+        pytest.skip(f"patch reads the installed transformers ({installed}), not {entry.release}")
+    family = FAMILIES[entry.family]
+    config = {"model_type": family.model_type, family.num_experts_keys[0]: 4}
+    if entry.release is None:  # remote code shipped in the dir, next to its shipped modules
+        source = upstream.ROOT / entry.path
+        config["auto_map"] = {"AutoModelForCausalLM": f"{source.stem}.{family.auto_classes['AutoModelForCausalLM']}"}
+        for path in [source, *(source.with_name(f"{module}.py") for module in entry.shipped_modules)]:
+            shutil.copy(path, tmp_path / path.name)
+    (tmp_path / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    result = _result(entry)
+    plan = make_plan(ModelDir(tmp_path), None, coalesce=True)
+    assert plan.source.text == result.original, f"patch resolved another source than {entry.path}"
+    assert plan.files[entry.output_name].decode("utf-8") == result.patched
+    policy = result.files[upstream.repo_path(entry.policy_path)]
+    assert policy.endswith(plan.files[POLICY].decode("utf-8")) and policy.startswith("# GENERATED")
 
 
 # ------------------------------------------------------------------------------------ matrix coverage
@@ -114,7 +149,8 @@ def _class(tree: ast.Module, names) -> ast.ClassDef:
 
 
 def _helper_calls(tree: ast.AST) -> list[ast.Call]:
-    return [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == HELPER]
+    calls = (n for n in ast.walk(tree) if isinstance(n, ast.Call))
+    return [n for n in calls if isinstance(n.func, ast.Name) and n.func.id == HELPER]
 
 
 def _is_sum_into(node: ast.AST, var: str, source: str) -> bool:

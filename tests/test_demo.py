@@ -1,0 +1,66 @@
+"""`python -m codegen demo`: the README's main-job command, run once as a user runs it, outcome asserted."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from conftest import run_codegen
+
+pytestmark = pytest.mark.runtime
+
+FAMILIES = ("qwen2_moe", "deepseek_v2")
+ROW = re.compile(
+    r"^(?P<family>qwen2_moe|deepseek_v2)\s+(?P<p_before>\S+)\s+(?P<p_after>\S+)\s+(?P<d_before>\S+)\s+(?P<d_after>\S+)"
+    r"\s+(?P<e_before>\d+)%\s+(?P<e_after>\d+)%\s+(?P<diff_before>\S+)\s+(?P<diff_after>\S+)$",
+    re.M,
+)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """One demo run shared by the tests (builds, patches, starts 2 ranks: about a minute on 2 cores)."""
+    work = tmp_path_factory.mktemp("demo")
+    result = run_codegen("demo", "--workdir", work, timeout=600)
+    rows = {m["family"]: m.groupdict() for m in ROW.finditer(result.stdout)}
+    return work, result, rows
+
+
+def test_demo_exits_0_without_traceback(demo):
+    _, result, _ = demo
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr + result.stdout
+    assert "OK: after codegen, one all-reduce per MoE layer" in result.stdout
+
+
+def test_demo_shows_progress_with_elapsed_seconds(demo):
+    _, result, _ = demo
+    progress = [ln for ln in result.stderr.splitlines() if re.match(r"^\[\s*\d+\.\ds\] ", ln)]
+    assert len(progress) >= 5
+    assert any("starting 2 CPU ranks" in ln for ln in progress)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_demo_prints_one_all_reduce_per_moe_layer_after_and_matching_logits(demo, family):
+    _, result, rows = demo
+    assert family in rows, result.stdout
+    row = rows[family]
+    assert row["p_after"] == "1" and row["d_after"] == "1"
+    assert float(row["diff_after"]) <= 1e-5 and float(row["diff_before"]) <= 1e-5
+    # before: stock AutoTP's count, at least the one reduction the patched dir keeps
+    assert int(row["p_before"].split("-")[-1]) >= 1
+    assert int(row["e_after"]) == 50  # routed experts sharded over the 2 ranks
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_demo_leaves_patched_dirs_that_load_with_trust_remote_code(demo, family):
+    work, _, _ = demo
+    (root,) = [p for p in work.iterdir() if p.name.startswith("codegen-demo-")]
+    patched = root / family / "patched"
+    config = json.loads((patched / "config.json").read_text())
+    assert config["codegen_coalesce_moe_all_reduce"] is True
+    assert "AutoModelForCausalLM" in config["auto_map"]
+    assert (patched / "autotp_policy.py").is_file()
+    assert (patched / ".codegen" / "manifest.json").is_file()

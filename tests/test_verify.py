@@ -1,0 +1,204 @@
+"""`python -m codegen verify <dir> --tp 2`, as a user runs it, and the figures it measures.
+
+Each dir is patched and verified once per session by real `python -m codegen` processes; verify
+starts 2 real DeepSpeed ranks (fp32, CPU) that measure, in one launch, the patched dir without a
+TP policy, under its generated policy, and stock AutoTP on the unpatched dir, all against the
+unpatched model run in one process. The tests below assert on its exit status, its report and
+the JSON it writes (`--json`).
+
+Tiny checkpoints (tests/conftest.py): qwen2_moe has 2 layers, both MoE; deepseek_v2 has 2 layers,
+the first dense (first_k_dense_replace=1), the second MoE. DeepSpeed makes the LM head row-parallel,
+so one forward needs: one all-reduce per attention block + per MoE block + per dense MLP block + 1.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from conftest import run_codegen
+
+pytestmark = pytest.mark.runtime
+
+TP = 2
+TOL = 1e-5
+#: (attention blocks, MoE blocks, dense MLP blocks) of the tiny checkpoints
+SHAPE = {"qwen2_moe": (2, 2, 0), "deepseek_v2": (2, 1, 1)}
+VERIFY_FAILED = 6
+
+
+class Verified:
+    def __init__(self, proc, report: dict | None, directory) -> None:
+        self.proc, self.report, self.dir = proc, report, directory
+
+
+@pytest.fixture(scope="session")
+def verified(_tiny_templates, tmp_path_factory):
+    """verified(kind, coalesce=True) -> Verified: `patch` then `verify --tp 2 --json`, once per session."""
+    cache: dict = {}
+
+    def run(kind: str, coalesce: bool = True) -> Verified:
+        key = (kind, coalesce)
+        if key not in cache:
+            directory = tmp_path_factory.mktemp(f"verify-{kind}-{'on' if coalesce else 'off'}") / kind
+            shutil.copytree(_tiny_templates[kind], directory)  # what make_dir does, shared by the session
+            patch = run_codegen("patch", directory, *([] if coalesce else ["--no-coalesce"]))
+            assert patch.returncode == 0, patch.stderr
+            out = directory.parent / "verify.json"
+            proc = run_codegen("verify", directory, "--tp", TP, "--json", out, timeout=900)
+            cache[key] = Verified(proc, json.loads(out.read_text()) if out.exists() else None, directory)
+        return cache[key]
+
+    return run
+
+
+FAMILIES = tuple(SHAPE)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_verify_prints_its_report_and_exits_0(verified, family):
+    v = verified(family)
+    assert v.proc.returncode == 0, v.proc.stdout + v.proc.stderr
+    out = v.proc.stdout
+    assert f"verify {v.dir} (tp=2, world=2" in out
+    for row in ("codegen", "stock", "no-policy"):
+        assert any(line.split()[:1] == [row] for line in out.splitlines()), out
+    attention, moe, dense = SHAPE[family]
+    assert f"= {attention + moe + dense + 1} (expected {attention + moe + dense + 1}; C++ profiler: " in out
+    assert "greedy 16 tokens: identical" in out
+    assert "backward through the MoE reduction: gradient unchanged" in out
+    assert out.rstrip().splitlines()[-1].startswith("OK: one all-reduce per MoE layer")
+    assert "FAIL" not in v.proc.stderr
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_within_1e5_and_16_greedy_tokens_identical(verified, family):
+    ranks = verified(family).report["codegen"]
+    assert len(ranks) == TP
+    for r in ranks:
+        assert r["maxdiff"] <= TOL
+        assert r["same_tokens"] is True
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_allreduce_per_block_and_none_per_expert(verified, family):
+    attention, moe, dense = SHAPE[family]
+    for r in verified(family).report["codegen"]:
+        assert (r["attention_blocks"], r["moe_blocks"], r["dense_mlp_blocks"]) == (attention, moe, dense)
+        assert r["allreduce_per_moe_block"] == [1] * moe  # routed + shared experts: exactly one, none per expert
+        assert r["allreduce_per_attention_block"] == [1] * attention
+        assert r["allreduce_per_dense_mlp_block"] == [1] * dense
+        assert r["lm_head_type"] == "LmHeadLinearAllreduce" and r["allreduce_lm_head"] == 1
+        assert r["allreduce_per_forward"] == attention + moe + dense + 1
+        # the C++ profiler sees every reduction (c10d, shm op), whichever Python path issued it
+        assert r["allreduce_per_forward_profiler"] == r["allreduce_per_forward"]
+        # no grad: every reduction, the MoE one included, is DeepSpeed's inference fast path
+        assert r["allreduce_entries"] == {"deepspeed.comm.inference_all_reduce": attention + moe + dense + 1}
+        assert r["moe_allreduce_entries"] == {"deepspeed.comm.inference_all_reduce": moe}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stock_autotp_is_what_the_knob_improves_on(verified, family):
+    """Same numerics as stock AutoTP; stock either reduces per expert or leaves the experts unsharded."""
+    report = verified(family).report
+    for ours, stock in zip(report["codegen"], report["stock"]):
+        assert stock["maxdiff"] <= TOL
+        assert ours["allreduce_per_forward"] <= stock["allreduce_per_forward"]
+        per_expert = any(c > 1 for c in stock["allreduce_per_moe_block"])
+        unsharded = stock["bytes"]["experts"] == stock["full_bytes"]["experts"]
+        assert per_expert or unsharded
+        assert ours["bytes"]["total"] <= stock["bytes"]["total"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_routed_experts_halved_and_routers_whole(verified, family):
+    for r in verified(family).report["codegen"]:
+        assert r["full_bytes"]["experts"] > 0
+        assert r["bytes"]["experts"] * TP == r["full_bytes"]["experts"]
+        assert r["bytes"]["gates"] == r["full_bytes"]["gates"] > 0
+        assert r["gates_intact"] is True
+        assert r["gate_types"] == r["gate_types_reference"]  # the original router classes, not DeepSpeed's
+        assert len(r["gate_types"]) >= SHAPE[family][1]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sharded_weights_stay_registered_parameters_and_no_full_copy_survives(verified, family):
+    ranks = verified(family).report["codegen"]
+    for r in ranks:
+        assert r["sharded_params"] > 0
+        assert r["sharded_unknown"] == []
+        assert r["sharded_unregistered"] == []  # nn.Parameter, in parameters() and state_dict(), same storage
+        assert r["oversized_storage_params"] == []  # no shard is a view pinning the full tensor
+        assert r["full_size_copies_alive"] == 0
+        for name, (shape, full) in r["sharded_shapes"].items():
+            if ".experts." in name or name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+                assert shape != full and len(shape) == len(full), name
+    # DeepSpeed cuts its layers in tp_grain_size (64) steps, so on these 64-wide models a layer may sit
+    # whole on one rank; the group as a whole holds every sharded weight exactly once.
+    assert sum(r["sharded_bytes"] for r in ranks) == ranks[0]["sharded_full_bytes"] > 0
+    assert sum(r["bytes"]["total"] for r in ranks) < TP * ranks[0]["full_bytes"]["total"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_patched_model_without_a_policy_is_the_unpatched_model(verified, family):
+    """torch.distributed is up, no TP policy applied: bit-identical, and no stray reduction."""
+    for r in verified(family).report["no-policy"]:
+        assert r["maxdiff"] == 0.0
+        assert r["same_tokens"] is True
+        assert r["allreduce_per_forward"] == 0
+        assert r["allreduce_per_forward_profiler"] == 0
+        assert r["allreduce_per_moe_block"] == [0] * SHAPE[family][1]
+        assert r["bytes"] == r["full_bytes"]
+        assert r["world_size"] == TP
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_inserted_reduction_backward_passes_the_gradient_through(verified, family):
+    for r in verified(family).report["codegen"]:
+        grad = r["grad_check"]
+        assert grad["applicable"] is True
+        assert grad["autograd_node"] == "_AllReduceSumBackward"  # grad enabled: the autograd-aware all-reduce
+        assert grad["grad_entries"] == {"deepspeed.comm.all_reduce": 1}
+        assert grad["no_grad_entries"] == {"deepspeed.comm.inference_all_reduce": 1}
+        assert grad["forward_is_sum"] is True and grad["no_grad_is_sum"] is True
+        assert grad["grad_identity"] is True
+
+
+def test_knob_off_keeps_deepspeeds_reductions_and_verify_exits_6(verified):
+    """`patch --no-coalesce`: correct results with DeepSpeed's per-layer reductions; verify reports the
+    MoE layers that do not get the one-reduction treatment and exits 6."""
+    v = verified("qwen2_moe", coalesce=False)
+    assert json.loads((v.dir / "config.json").read_text())["codegen_coalesce_moe_all_reduce"] is False
+    assert v.proc.returncode == VERIFY_FAILED, v.proc.stdout + v.proc.stderr
+    assert "verify " in v.proc.stdout and "codegen" in v.proc.stdout  # the report is still printed
+    fails = [line for line in v.proc.stderr.splitlines() if line.startswith("FAIL ")]
+    assert fails and v.proc.stderr.rstrip().splitlines()[-1].startswith("error: ")
+    assert "expected 1 each" in v.proc.stderr or "routed experts hold" in v.proc.stderr
+    assert "OK:" not in v.proc.stdout
+    report = v.report
+    for off, stock in zip(report["codegen"], report["stock"]):
+        assert off["maxdiff"] <= TOL and off["same_tokens"] is True
+        assert off["grad_check"] == {"applicable": False}  # the patched forward does not reduce
+        # the policy left DeepSpeed's per-layer reductions (and its sharding) exactly as stock AutoTP has them
+        assert off["allreduce_per_moe_block"] == stock["allreduce_per_moe_block"]
+        assert off["allreduce_per_forward"] == stock["allreduce_per_forward"]
+        assert off["allreduce_per_forward_profiler"] == off["allreduce_per_forward"]
+        assert off["bytes"] == stock["bytes"]
+        per_expert = any(c > 1 for c in off["allreduce_per_moe_block"])
+        unsharded = off["bytes"]["experts"] == off["full_bytes"]["experts"]
+        assert per_expert or unsharded
+    for r in report["no-policy"]:
+        assert r["maxdiff"] == 0.0 and r["allreduce_per_forward"] == 0
+
+
+def test_verify_refuses_an_unpatched_dir_and_a_bad_world(make_dir):
+    directory = make_dir("qwen2_moe")
+    result = run_codegen("verify", directory, "--tp", TP)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"error: {directory} is not patched: "
+                                                  f"run `python -m codegen patch {directory}` first"]
+    result = run_codegen("verify", directory, "--tp", 2, "--world", 3)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: --world 3 must be a multiple of --tp 2"
