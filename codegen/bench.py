@@ -104,7 +104,7 @@ def launch(spec: dict, world: int, timeout: float, progress: Progress, device: s
         if device == "cpu":
             env.setdefault("CUDA_VISIBLE_DEVICES", "")
         env.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
-        if device == "cpu" and not list(Path(env["TORCH_EXTENSIONS_DIR"]).glob("deepspeed_shm_comm/*.so")):
+        if device == "cpu" and not shm_op_built(env["TORCH_EXTENSIONS_DIR"]):
             progress("first run in this environment: DeepSpeed JIT-compiles its CPU shared-memory all-reduce "
                      f"into {env['TORCH_EXTENSIONS_DIR']} (once; 1-3 minutes on 2 cores)")
         try:
@@ -117,9 +117,11 @@ def launch(spec: dict, world: int, timeout: float, progress: Progress, device: s
         def pump() -> None:
             assert proc.stdout is not None
             for line in proc.stdout:
-                if line.startswith(PROGRESS):
-                    progress(line[len(PROGRESS):].rstrip())
-                else:
+                at = line.find(PROGRESS)  # ranks share the pipe: another rank's partial line may precede it
+                if at >= 0:
+                    progress(line[at + len(PROGRESS):].rstrip())
+                    line = line[:at]
+                if line.strip():
                     lines.append(line)
                     del lines[:-400]
 
@@ -161,6 +163,10 @@ def extensions_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     tag = hashlib.sha256(sys.prefix.encode()).hexdigest()[:10]
     return os.path.join(base, "torch_extensions", f"codegen-{Path(sys.prefix).name}-{tag}")
+
+
+def shm_op_built(directory: str | None = None) -> bool:
+    return bool(list(Path(directory or extensions_dir()).glob("deepspeed_shm_comm/*.so")))
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -358,7 +364,8 @@ def _worker_main(spec: dict, out: Path) -> None:
             "reference": {"prefill_s": ref_prefill_s, "decode_s": ref_decode_s[warmup:]},
             **record,
         }
-        del models, stock, ours, caches, output
+        models.clear()
+        del stock, ours, caches, output
         say(f"{family}: done ({time.monotonic() - t_start:.0f}s on the ranks so far)")
     out.mkdir(parents=True, exist_ok=True)
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
@@ -574,6 +581,15 @@ def prepare(families: tuple[str, ...], size: str, root: Path, progress: Progress
     return dirs, timing
 
 
+def make_workdir(parent: Path, prefix: str) -> Path:
+    """A fresh dir under --workdir (kept afterwards); one line if it cannot be made."""
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    except OSError as exc:
+        raise IOFailure(f"--workdir {parent}: {exc.strerror or exc}") from None
+
+
 def check_runtime_installed(what: str) -> None:
     import importlib.util
 
@@ -604,8 +620,7 @@ def run_bench(kind: str, device: str, tp: int, workdir: Path | None, progress: P
     dtype = "bfloat16" if device == "cuda" else "float32"
     started = time.monotonic()
     if workdir is not None:
-        workdir.mkdir(parents=True, exist_ok=True)
-        root = Path(tempfile.mkdtemp(prefix=f"codegen-{kind}-", dir=workdir))
+        root = make_workdir(workdir, f"codegen-{kind}-")
         cleanup = None
     else:
         cleanup = tempfile.TemporaryDirectory(prefix=f"codegen-{kind}-")
@@ -621,7 +636,10 @@ def run_bench(kind: str, device: str, tp: int, workdir: Path | None, progress: P
             **{k: settings[k] for k in ("prompt_len", "batch", "decode_steps", "warmup", "prefill_repeats")},
         }
         progress(f"starting {tp} {device.upper()} ranks (torchrun); every timed step runs a and b back to back")
+        compiled = device == "cpu" and not shm_op_built(os.environ.get("TORCH_EXTENSIONS_DIR"))
+        load_start = _loadavg()
         ranks = launch(spec, tp, settings["timeout"], progress, device)
+        load_end = _loadavg()
         configs = {f: json.loads(Path(dirs[f]["unpatched"], "config.json").read_text()) for f in families}
         shapes = {f: _shape(configs[f]) for f in families}
         record = {
@@ -632,7 +650,9 @@ def run_bench(kind: str, device: str, tp: int, workdir: Path | None, progress: P
             "dtype": dtype,
             "tolerance": TOLERANCE if dtype == "float32" else None,
             "method": METHOD,
-            "machine": machine_info(device) | ({"gpu": ranks[0]["gpu"]} if "gpu" in ranks[0] else {}),
+            "machine": machine_info(device) | ({"gpu": ranks[0]["gpu"]} if "gpu" in ranks[0] else {})
+            | {"loadavg_1min_before_ranks": load_start, "loadavg_1min_after_ranks": load_end},
+            "deepspeed_cpu_op_compiled_during_run": compiled,
             "settings": {k: v for k, v in settings.items() if k != "timeout"},
             "patch_timing": {"startup_baseline_s": baseline, "families": {f: patch_timing[f]["trials_s"] for f in families},
                              "median_s": {f: patch_timing[f]["median_s"] for f in families}},
@@ -645,6 +665,13 @@ def run_bench(kind: str, device: str, tp: int, workdir: Path | None, progress: P
     finally:
         if cleanup is not None:
             cleanup.cleanup()
+
+
+def _loadavg() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
 
 
 def _shape(config: dict) -> dict:
@@ -718,8 +745,8 @@ def markdown(record_or_merged: dict) -> str:
         )
     lines += [
         "",
-        "`python -m codegen patch DIR`, wall time of a cold process (median of the trials; the interpreter + CLI "
-        "start-up alone, `python -m codegen --version`, in brackets):",
+        "`python -m codegen patch DIR`: wall time of a cold process, median of n trials; start-up = "
+        "`python -m codegen --version` (interpreter + CLI import) in the same environment:",
         "",
         "| model | transformers | patch wall s |",
         "|---|---|---|",
@@ -731,7 +758,7 @@ def markdown(record_or_merged: dict) -> str:
             n = len(pt["families"][family])
             lines.append(f"| {family} | {rec['machine']['transformers']} | {med:.2f} (n={n}"
                          + (f"; start-up {base:.2f})" if base is not None else ")") + " |")
-    lines += ["", "Machine: " + "; ".join(_machine_line(rec) for rec in records)]
+    lines += ["", "Machines:", ""] + [f"- {_machine_line(rec)}" for rec in records]
     return "\n".join(lines) + "\n"
 
 
@@ -739,8 +766,14 @@ def _machine_line(rec: dict) -> str:
     m = rec["machine"]
     ram = f"{m['ram_bytes'] / 2**30:.0f} GiB RAM" if m.get("ram_bytes") else "RAM unknown"
     gpu = f", {m['gpu']}" if m.get("gpu") else ""
-    return (f"{m['cpu']}, {m['cores']} cores, {ram}{gpu}, {m['os']}, Python {m['python']}, torch {m['torch']}, "
-            f"deepspeed {m['deepspeed']}, transformers {m['transformers']} (run wall {rec['wall_s']:.0f}s)")
+    notes = [f"run wall {rec['wall_s']:.0f}s"]
+    if rec.get("deepspeed_cpu_op_compiled_during_run"):
+        notes.append("including DeepSpeed's one-time JIT compile of its CPU all-reduce op")
+    before, after = m.get("loadavg_1min_before_ranks"), m.get("loadavg_1min_after_ranks")
+    if before is not None and after is not None:
+        notes.append(f"1-min load average {before:.1f} → {after:.1f} on {m['cores']} cores")
+    return (f"transformers {m['transformers']}: {m['cpu']}, {m['cores']} cores, {ram}{gpu}, {m['os']}, "
+            f"Python {m['python']}, torch {m['torch']}, deepspeed {m['deepspeed']}; {'; '.join(notes)}")
 
 
 def chart(record_or_merged: dict, path: Path) -> None:
@@ -755,7 +788,8 @@ def chart(record_or_merged: dict, path: Path) -> None:
     labels = [f"{family}\ntf {rec['machine']['transformers']}" for rec, family, _ in rows]
     x = list(range(len(rows)))
     w = 0.2
-    fig, axes = plt.subplots(1, 4, figsize=(max(16, 4.2 * len(rows) + 4), 4.8))
+    fig, grid = plt.subplots(2, 2, figsize=(max(11, 2.8 * len(rows) + 3), 8.6))
+    axes = grid.flatten()
     colours = {"stock": "#c44e52", "codegen": "#4c72b0"}
     names = {"stock": "(a) stock AutoTP", "codegen": "(b) codegen"}
 

@@ -18,7 +18,16 @@ import time
 from pathlib import Path
 
 from codegen import errors
-from codegen.bench import FAMILIES, SETTINGS, TOLERANCE, Progress, build_examples, check_runtime_installed, launch
+from codegen.bench import (
+    FAMILIES,
+    SETTINGS,
+    TOLERANCE,
+    Progress,
+    build_examples,
+    check_runtime_installed,
+    launch,
+    make_workdir,
+)
 from codegen.errors import VerifyFailed
 
 WORLD = 2
@@ -29,8 +38,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     progress = Progress()
     workdir = getattr(args, "workdir", None)
     if workdir is not None:
-        workdir.mkdir(parents=True, exist_ok=True)
-        root = Path(tempfile.mkdtemp(prefix="codegen-demo-", dir=workdir))
+        root = make_workdir(workdir, "codegen-demo-")
         return _demo(root, progress, keep=True)
     with tempfile.TemporaryDirectory(prefix="codegen-demo-") as tmp:
         return _demo(Path(tmp), progress, keep=False)

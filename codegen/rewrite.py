@@ -60,6 +60,15 @@ class _Anchor:
 
 def rewrite_source(text: str, target: RewriteTarget, helper_block: str) -> Rewrite:
     """Rewrite one modeling source. Parses only: the source is never imported or executed."""
+    try:
+        return _rewrite(text, target, helper_block)
+    except RecursionError:  # libcst's visitors recurse: a pathologically deep expression
+        raise BadSource(
+            f"{target.display_name} nests expressions too deeply to rewrite safely: not a modeling source"
+        ) from None
+
+
+def _rewrite(text: str, target: RewriteTarget, helper_block: str) -> Rewrite:
     module = _parse(text, target)
     _refuse_if_already_patched(module, target)
     moe_class = _find_moe_class(module, target)
@@ -98,6 +107,18 @@ def _version_hint(target: RewriteTarget) -> str:
 def _parse(text: str, target: RewriteTarget) -> cst.Module:
     if not text.strip():
         raise BadSource(f"{target.display_name} is empty: expected a {target.family.model_type} modeling source")
+    # CPython's parser first: it rejects what Python could never import (and what crashes or stalls
+    # libcst's native parser: 3000 nested parentheses segfault it) with a clean error
+    try:
+        ast.parse(text)
+    except SyntaxError as exc:
+        raise BadSource(
+            f"{target.display_name} is not valid Python (line {exc.lineno}: {exc.msg}): fix the file or pass --source"
+        ) from None
+    except ValueError as exc:  # null bytes (Python < 3.12)
+        raise BadSource(f"{target.display_name} is not valid Python ({exc}): fix the file or pass --source") from None
+    except (RecursionError, MemoryError):
+        raise BadSource(f"{target.display_name} nests too deeply for Python to compile: not a modeling source") from None
     try:
         return cst.parse_module(text)
     except cst.ParserSyntaxError as exc:

@@ -88,7 +88,8 @@ def run_phases(
             break
         if timed_out:
             raise VerifyFailed(f"{label} run on {world} ranks timed out after {timeout:.0f}s")
-        failed = next((c for c in codes if c), 0)
+        # a rank that failed on its own (exit > 0) rather than one stopped because of it (killed: < 0)
+        failed = next((c for c in codes if c > 0), next((c for c in codes if c), 0))
         if failed:
             raise VerifyFailed(f"{label} run on {world} ranks failed (exit {failed}): {_last_error_line(logs)}")
         results = [json.loads(Path(out, f"rank{rank}.json").read_text()) for rank in range(world)]

@@ -152,6 +152,6 @@ def _read_text(path: Path) -> str:
 
 def _decode(data: bytes, name: str) -> str:
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")  # a UTF-8 BOM is legal in Python source; ast/libcst want it gone
     except UnicodeDecodeError:
         raise BadSource(f"{name} is not UTF-8 text: it cannot be a modeling source") from None

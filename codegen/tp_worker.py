@@ -412,6 +412,7 @@ def sharding_figures(model, ref: Reference, scan: bool = True) -> dict:
             except Exception:  # noqa: BLE001 - tensor subclasses without storage
                 continue
     return {
+        "tp_group_ranks": _tp_group_ranks(model),
         "sharded_params": len(sharded),
         "sharded_shapes": {n: [list(t.shape), list(ref.shapes.get(n, ()))] for n, t in sharded.items()},
         "sharded_unregistered": unregistered,
@@ -421,6 +422,19 @@ def sharding_figures(model, ref: Reference, scan: bool = True) -> dict:
         "oversized_storage_params": oversized,
         "full_size_copies_alive": alive,
     }
+
+
+def _tp_group_ranks(model) -> list:
+    """The distinct global-rank lists of the groups DeepSpeed's TP layers and codegen's reducers reduce over."""
+    groups = []
+    for module in model.modules():
+        for group in (getattr(module, "mp_group", None), getattr(getattr(module, "_codegen_tp_reducer", None), "group", None)):
+            if group is None:
+                continue
+            ranks = torch.distributed.get_process_group_ranks(group)
+            if ranks not in groups:
+                groups.append(ranks)
+    return groups
 
 
 def _decode(model, ids, steps: int, warmup: int, counter: AllReduceCounter, dist) -> dict:
@@ -479,6 +493,7 @@ def _grad_check(blocks, counter: AllReduceCounter, dist) -> dict:
         "forward_is_sum": bool(torch.allclose(y.detach(), expected)),
         "no_grad_is_sum": bool(torch.allclose(z, expected)),
         "grad_identity": bool(torch.equal(x.grad, upstream)),
+        "group_ranks": torch.distributed.get_process_group_ranks(reducer.group),
     }
 
 

@@ -109,7 +109,7 @@ def test_markdown_table_and_chart_are_written(smoke):
     assert table in result.stdout
     for family in FAMILIES:
         assert f"| {family} (" in table
-    assert "all-reduces / prefill" in table and "patch wall s" in table and "Machine:" in table
+    assert "all-reduces / prefill" in table and "patch wall s" in table and "Machines:" in table
     assert (out / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -153,3 +153,17 @@ def test_bad_tp_is_one_line():
     result = run_codegen("bench", "--smoke", "--tp", "1", timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().count("\n") == 0
+
+
+def test_a_failing_rank_is_one_line(tmp_path):
+    from codegen.bench import SETTINGS, Progress, launch
+    from codegen.errors import VerifyFailed
+
+    missing = str(tmp_path / "missing")
+    spec = {"models": [{"family": "qwen2_moe", "unpatched": missing, "patched": missing}], "tp": 2, "device": "cpu",
+            "dtype": "float32", **{k: SETTINGS["smoke"][k] for k in
+                                   ("prompt_len", "batch", "decode_steps", "warmup", "prefill_repeats")}}
+    with pytest.raises(VerifyFailed) as failed:
+        launch(spec, 2, 300, Progress(quiet=True))
+    message = failed.value.message
+    assert "\n" not in message and "benchmark rank" in message and "FileNotFoundError" in message

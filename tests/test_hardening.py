@@ -35,6 +35,8 @@ from pathlib import Path
 
 import pytest
 
+import codegen.cli  # noqa: F401 - imported once here, so forked runs start warm
+import codegen.plan  # noqa: F401
 from conftest import ROOT, run_codegen, tree_digest
 
 HUB_FIXTURE = ROOT / "tests" / "fixtures" / "hub_deepseek"

@@ -31,7 +31,12 @@ VERIFY_FAILED = 6
 
 class Verified:
     def __init__(self, proc, report: dict | None, directory) -> None:
-        self.proc, self.report, self.dir = proc, report, directory
+        self.proc, self._report, self.dir = proc, report, directory
+
+    @property
+    def report(self) -> dict:
+        assert self._report is not None, f"verify wrote no JSON:\n{self.proc.stdout}\n{self.proc.stderr}"
+        return self._report
 
 
 @pytest.fixture(scope="session")
