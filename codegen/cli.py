@@ -53,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     bench.add_argument("--tp", type=int, default=2)
     bench.add_argument("--workdir", type=Path)
+    bench.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
+                       help="combine `bench --json` records (one per environment) instead of running")
 
     demo = sub.add_parser("demo", help="build, patch and run small example dirs of both families on 2 CPU ranks")
     demo.add_argument("--workdir", type=Path, help="where to build the example dirs (default: a temp dir)")

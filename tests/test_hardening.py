@@ -151,7 +151,7 @@ class Run:
         return [line for line in self.err.splitlines() if line.strip()]
 
 
-def cli(*args, fault: int | None = None, setup=None) -> Run:
+def cli(*args, fault: int | None = None, setup=None, stdout_errors: str = "surrogateescape") -> Run:
     """`python -m codegen ARGS` in a forked child: `fault=N` kills it after its N-th file operation;
     `setup()` runs in the child first (to make writes fail there, and only there)."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
@@ -161,7 +161,8 @@ def cli(*args, fault: int | None = None, setup=None) -> Run:
             try:
                 os.dup2(out.fileno(), 1)
                 os.dup2(err.fileno(), 2)
-                sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
+                # as under a C.UTF-8 locale (this CI); see test_injection for a strict-stdout locale
+                sys.stdout = open(1, "w", encoding="utf-8", errors=stdout_errors, closefd=False)
                 sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
                 if fault is None:
                     os.environ.pop(FAULT, None)
@@ -405,12 +406,16 @@ SWEEPS = {
 _OUTCOMES: dict[str, Tally] = {}
 
 
-def outcome(name: str, work: Path) -> Tally:
-    """One sweep's result, computed once per session (test_reliability_report.py reuses it)."""
+def cached(name: str, compute) -> Tally:
+    """A corpus' result, computed once per session (test_reliability_report.py adds them all up)."""
     if name not in _OUTCOMES:
-        kind, layout, command, start, args = SWEEPS[name]
-        _OUTCOMES[name] = sweep(work / name, kind, layout, command, start=start, args=args)
+        _OUTCOMES[name] = compute()
     return _OUTCOMES[name]
+
+
+def outcome(name: str, work: Path) -> Tally:
+    kind, layout, command, start, args = SWEEPS[name]
+    return cached(name, lambda: sweep(work / name, kind, layout, command, start=start, args=args))
 
 
 # ------------------------------------------------------------------------------------------------- kills
@@ -680,9 +685,7 @@ def failing_writes(work: Path, kind: str) -> Tally:
 @pytest.mark.parametrize("kind", ["qwen2_moe", "hub_deepseek"])
 def test_disk_full_and_permission_errors_are_one_line_and_change_nothing(fast, tmp_path_factory, kind):
     name = f"failing-writes-{kind}"
-    if name not in _OUTCOMES:
-        _OUTCOMES[name] = failing_writes(tmp_path_factory.mktemp(name), kind)
-    assert_clean(_OUTCOMES[name])
+    assert_clean(cached(name, lambda: failing_writes(tmp_path_factory.mktemp(name), kind)))
 
 
 def test_unwritable_dir_is_refused_before_anything_happens(fast, tmp_path):

@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 
 from conftest import tree_digest
-from test_hardening import HUB_DEEPSEEK_CONFIG, QWEN_CONFIG, Tally, assert_clean, build, cli, fast, listing, warm  # noqa: F401
+from test_hardening import (  # noqa: F401 - fast is a fixture
+    HUB_DEEPSEEK_CONFIG, QWEN_CONFIG, Tally, assert_clean, build, cached, cli, fast, listing, warm,
+)
 
 HELPER = "_codegen_moe_all_reduce"
 
@@ -249,7 +251,7 @@ def source_corpus(work: Path) -> Tally:
 
 
 def test_hostile_and_odd_sources_patch_correctly_or_fail_precisely(tmp_path):
-    assert_clean(source_corpus(tmp_path))
+    assert_clean(cached("bad-sources", lambda: source_corpus(tmp_path)))
 
 
 def test_source_is_parsed_never_executed_also_with_source_override(tmp_path, fast):
@@ -387,7 +389,11 @@ def config_corpus(work: Path) -> Tally:
     return tally
 
 
+def warm_and_run_config_corpus(work: Path) -> Tally:
+    warm(build("qwen2_moe", work / "warm-qwen"))
+    warm(build("hub_deepseek", work / "warm-hub"))
+    return config_corpus(work)
+
+
 def test_bad_config_values_exit_2_with_one_line_or_are_normalised(tmp_path, fast):
-    warm(build("qwen2_moe", tmp_path / "warm-qwen"))
-    warm(build("hub_deepseek", tmp_path / "warm-hub"))
-    assert_clean(config_corpus(tmp_path))
+    assert_clean(cached("bad-configs", lambda: warm_and_run_config_corpus(tmp_path)))

@@ -1,0 +1,43 @@
+"""The reliability figure the README quotes: every bad input and fault injection this suite throws at a dir.
+
+Adds up the corpora of test_hardening.py (a kill after every file operation of patch / revert / re-patch,
+plain dirs and Hugging Face cache snapshots; disk-full and permission failures at every write) and
+test_sources.py (hostile modeling sources, bad config.json values), reusing their results when they ran
+in the same session. Prints (see it with `pytest -s`, or set CODEGEN_RELIABILITY_OUT=FILE):
+
+    RELIABILITY: N bad inputs and fault injections tried, M left the dir changed or corrupted
+
+"M" counts every case whose outcome broke a guarantee (dir changed by a refused run, a kill leaving a dir
+that loads as neither state, a revert or re-patch that cannot finish, a traceback, a wrong exit code).
+The hypothesis tests of test_injection.py are not counted here: they have no fixed size.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from test_hardening import SWEEPS, Tally, cached, failing_writes, fast, outcome  # noqa: F401 - fast is a fixture
+from test_sources import config_corpus, source_corpus, warm_and_run_config_corpus  # noqa: F401
+
+
+def test_reliability_figure(fast, tmp_path_factory):
+    total = Tally()
+    parts = {}
+    for name in SWEEPS:
+        parts[name] = outcome(name, tmp_path_factory.mktemp("sweep"))
+    for kind in ("qwen2_moe", "hub_deepseek"):
+        name = f"failing-writes-{kind}"
+        parts[name] = cached(name, lambda: failing_writes(tmp_path_factory.mktemp(name), kind))
+    parts["bad-sources"] = cached("bad-sources", lambda: source_corpus(tmp_path_factory.mktemp("sources")))
+    parts["bad-configs"] = cached("bad-configs", lambda: warm_and_run_config_corpus(tmp_path_factory.mktemp("configs")))
+    for tally in parts.values():
+        total.add(tally)
+    detail = ", ".join(f"{name} {t.tried}" for name, t in parts.items())
+    line = (f"RELIABILITY: {total.tried} bad inputs and fault injections tried, "
+            f"{len(total.problems)} left the dir changed or corrupted")
+    print(f"\n{line}\n  ({detail})")
+    out = os.environ.get("CODEGEN_RELIABILITY_OUT")
+    if out:
+        Path(out).write_text(line + "\n")
+    assert not total.problems, "\n".join(total.problems)
