@@ -61,7 +61,16 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def one_line(text: str) -> str:
+    """Messages carry user paths and config strings: escape newlines and other controls so a line stays one."""
+    return "".join(ch if ch.isprintable() or ch == " " else repr(ch)[1:-1] for ch in text)
+
+
 def main(argv: list[str] | None = None) -> int:
+    for stream in (sys.stdout, sys.stderr):
+        # a dir name that is not valid UTF-8 must not turn a successful run into an encoding crash
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     args = _parser().parse_args(argv)
     try:
         if args.command == "patch":
@@ -81,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return cmd_demo(args)
     except CodegenError as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
+        print(f"error: {one_line(exc.message)}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted: nothing half-written (re-run patch or revert to finish)", file=sys.stderr)
@@ -89,14 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - the contract is one line, never a traceback
         if args.debug:
             raise
-        print(f"internal error: {type(exc).__name__}: {exc} (re-run with --debug and report it)", file=sys.stderr)
+        print(one_line(f"internal error: {type(exc).__name__}: {exc} (re-run with --debug and report it)"),
+              file=sys.stderr)
         return errors.INTERNAL
     return errors.OK
 
 
 def _say(args: argparse.Namespace, message: str) -> None:
     if not getattr(args, "quiet", False):
-        print(message)
+        print(one_line(message))
 
 
 def cmd_patch(args: argparse.Namespace) -> int:
@@ -138,10 +148,10 @@ def cmd_patch(args: argparse.Namespace) -> int:
                 _say(args, f"{target.path}: patched, up to date")
                 return errors.OK
             if manifest is None:
-                print(f"{target.path}: not patched", file=sys.stderr)
+                print(one_line(f"{target.path}: not patched"), file=sys.stderr)
             for name in sorted(set(stale)):
                 why = {"edited": "edited since patching", "original": "not patched yet (interrupted run?)"}
-                print(f"{target.path / name}: {why.get(status.get(name), 'codegen would write different content')}",
+                print(one_line(f"{target.path / name}: {why.get(status.get(name), 'codegen would write different content')}"),
                       file=sys.stderr)
             return errors.WOULD_CHANGE
         if up_to_date:

@@ -266,10 +266,11 @@ class ModelDir:
             return False
 
     def _clean_leftovers(self) -> None:
-        """With the lock held, no other run is mid-write: temp files here are a killed run's, and a state
-        dir without a manifest is a first patch killed before its commit-free first step completed (or a
-        revert killed after forgetting). Both are removed; a state dir whose backups still differ from the
-        dir's files is left alone (its manifest was lost some other way: the backups are all that's left)."""
+        """With the lock held no other run is mid-write, so temp files here are a killed run's; and a state
+        dir without a manifest is a first patch killed before writing it (no user file touched yet) or a
+        revert killed after dropping it (every file restored). Both are removed. A manifest-less state dir
+        whose backups differ from the dir's files is left alone: its manifest was lost some other way and
+        the backups are all that's left."""
         for folder in (self.path, self.state, self.state / ORIGINALS):
             try:
                 entries = list(os.scandir(folder))
@@ -411,6 +412,10 @@ def copy_with_linked_weights(src: Path, dst: Path) -> None:
         raise BadInput(f"--out {dst}: parent directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise IOFailure(f"--out {dst}: {parent} is not writable")
+    for stale in parent.iterdir():  # a killed `--out` run's half-made copy (its process is gone)
+        pid = stale.name.rsplit(".codegen-tmp-", 1)[-1]
+        if stale.name.startswith(f".{dst.name}.codegen-tmp-") and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = parent / f".{dst.name}.codegen-tmp-{os.getpid()}"
     try:
         tmp.mkdir()
@@ -430,3 +435,13 @@ def copy_with_linked_weights(src: Path, dst: Path) -> None:
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise IOFailure(f"cannot create {dst}: {exc.strerror}") from None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

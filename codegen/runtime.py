@@ -7,7 +7,8 @@ before it starts a rank, which cost ~5 s of a ~2-core machine per launch, and ad
 fixed single-node group. If one rank fails, the others are stopped (as torchrun does).
 
 DeepSpeed's CPU shared-memory all-reduce needs LOCAL_SIZE (the number of local ranks; DeepSpeed's
-own launcher sets it, torchrun does not), so this sets it. Its shared-memory buffers
+own launcher sets it, torchrun does not), so this sets it. It is JIT-compiled on first use; unless
+TORCH_EXTENSIONS_DIR is set, the build goes to a dir per Python environment (see extensions_dir). Its shared-memory buffers
 (/dev/shm/deepspeed_allreduce_buffer_*, ~70 MB per rank) are never unlinked by DeepSpeed; this
 removes the ones its ranks created, keyed by the master port it chose.
 
@@ -105,7 +106,8 @@ def _launch(args: list[str], world: int, port: int, timeout: float, out: Path) -
     Returns the exit codes (rank order), whether time ran out, and the ranks' output.
     """
     threads = max(1, (os.cpu_count() or 2) // world)
-    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
+    base = {"TORCH_EXTENSIONS_DIR": extensions_dir(), **os.environ,
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
             "LOCAL_WORLD_SIZE": str(world), "LOCAL_SIZE": str(world), "GROUP_RANK": "0",
             "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
     procs, logs, timed_out = [], [], False
@@ -133,6 +135,20 @@ def _launch(args: list[str], world: int, port: int, timeout: float, out: Path) -
             text += log.read()
             log.close()
     return codes, timed_out, text
+
+
+def extensions_dir() -> str:
+    """A torch-extensions build dir per Python environment (the one codegen.bench uses too).
+
+    DeepSpeed JIT-compiles its CPU shared-memory all-reduce into ~/.cache/torch_extensions/<py>_cpu,
+    shared by every environment with the same Python; two virtualenvs rebuild it there in turn (the
+    include paths differ), 1-3 minutes on 2 cores each time, inside whichever launch comes next.
+    """
+    import hashlib
+
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    tag = hashlib.sha256(sys.prefix.encode()).hexdigest()[:10]
+    return os.path.join(base, "torch_extensions", f"codegen-{Path(sys.prefix).name}-{tag}")
 
 
 def _remove_shm_buffers(port: int) -> None:

@@ -151,7 +151,8 @@ def gate_weights(model) -> dict:
 def gate_types(model) -> dict:
     """Class name of each router module (the module owning a gate weight)."""
     modules = dict(model.named_modules())
-    return {n: type(modules[n.rsplit(".", 1)[0]]).__name__ for n, _ in model.named_parameters() if n.endswith(GATE_SUFFIXES)}
+    return {n: type(modules[n.rsplit(".", 1)[0]]).__name__
+            for n, _ in model.named_parameters() if n.endswith(GATE_SUFFIXES)}
 
 
 def moe_blocks(model) -> list:
@@ -227,7 +228,8 @@ def build(mode: str, args, dtype, modes: list[str]):
     tensor_parallel = {"tp_grain_size": args.tp_grain_size} if args.tp_grain_size else {}
     if mode == "codegen":
         model = load(args.model, True, dtype)
-        spec = importlib.util.spec_from_file_location("codegen_autotp_policy", os.path.join(args.model, "autotp_policy.py"))
+        path = os.path.join(args.model, "autotp_policy.py")
+        spec = importlib.util.spec_from_file_location("codegen_autotp_policy", path)
         policy = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(policy)
         extra = {"tensor_parallel": tensor_parallel} if tensor_parallel else {}
@@ -428,7 +430,8 @@ def _tp_group_ranks(model) -> list:
     """The distinct global-rank lists of the groups DeepSpeed's TP layers and codegen's reducers reduce over."""
     groups = []
     for module in model.modules():
-        for group in (getattr(module, "mp_group", None), getattr(getattr(module, "_codegen_tp_reducer", None), "group", None)):
+        reducer = getattr(module, "_codegen_tp_reducer", None)
+        for group in (getattr(module, "mp_group", None), getattr(reducer, "group", None)):
             if group is None:
                 continue
             ranks = torch.distributed.get_process_group_ranks(group)
@@ -537,7 +540,8 @@ def main() -> None:
     counter.install()
     rank = dist.get_rank()
     dtype = getattr(torch, args.dtype)
-    device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0))) if args.device != "cpu" else torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cpu") if args.device == "cpu" else torch.device(args.device, local_rank)
     vocab = json.loads(Path(args.reference, "config.json").read_text())["vocab_size"]
     ids = torch.randint(0, vocab, (args.batch, args.prompt_len), generator=torch.Generator().manual_seed(1))
 

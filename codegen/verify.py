@@ -95,12 +95,13 @@ def _codegen_problems(r: dict) -> list[str]:
         found.append(f"LM head ({r['lm_head_type']}) issued {r['allreduce_lm_head']} all-reduces, "
                      f"expected {lm_head_reductions(r)}")
     if r["bytes"]["experts"] * tp != r["full_bytes"]["experts"]:
-        found.append(f"routed experts hold {r['bytes']['experts']:,} bytes per rank, expected 1/{tp} of "
-                     f"{r['full_bytes']['experts']:,}")
+        found.append(f"routed experts hold {r['bytes']['experts']:,} of their {r['full_bytes']['experts']:,} "
+                     f"unsharded bytes on this rank, expected 1/{tp}")
     if r["sharded_unregistered"]:
         found.append(f"sharded weights not registered Parameters of the model: {r['sharded_unregistered'][:3]}")
     if r["oversized_storage_params"]:
-        found.append(f"parameters pin a larger storage (a view of the full tensor): {r['oversized_storage_params'][:3]}")
+        found.append("parameters pin a larger storage (a view of the full tensor): "
+                     f"{r['oversized_storage_params'][:3]}")
     if r["full_size_copies_alive"]:
         found.append(f"{r['full_size_copies_alive']} full-size copies of sharded weights still alive")
     if not r["gates_intact"]:
@@ -146,7 +147,8 @@ def format_report(model_dir: Path, report: dict) -> str:
         if mode in report:
             lines.append(row(mode, report[mode][0]))
     lines.append(f"  codegen all-reduces per forward: {_breakdown(first)} = {first['allreduce_per_forward']} "
-                 f"(expected {expected_allreduces(first)}; C++ profiler: {first.get('allreduce_per_forward_profiler')})")
+                 f"(expected {expected_allreduces(first)}; "
+                 f"C++ profiler: {first.get('allreduce_per_forward_profiler')})")
     if "same_tokens" in first:
         lines.append(f"  greedy {GENERATE} tokens: {'identical' if first['same_tokens'] else 'DIFFERENT'}; "
                      f"routers {'replicated, unchanged' if first['gates_intact'] else 'CHANGED'}")

@@ -75,6 +75,8 @@ def build(kind: str, d: Path, config: dict | None = None) -> Path:
         config = dict(HUB_DEEPSEEK_CONFIG) if config is None else config
         for name in ("configuration_deepseek.py", "modeling_deepseek.py"):
             shutil.copyfile(HUB_FIXTURE / name, d / name)
+    elif kind == "deepseek_v2":  # the built-in transformers implementation
+        config = {k: v for k, v in HUB_DEEPSEEK_CONFIG.items() if k != "auto_map"} if config is None else config
     else:
         raise ValueError(kind)
     (d / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -241,12 +243,22 @@ def loads_as(d: Path, ref: Ref) -> bool:
 
 @dataclass
 class Tally:
-    tried: int = 0
+    tried: int = 0  # cases run
+    failed: int = 0  # cases with at least one problem
     problems: list[str] = field(default_factory=list)
     states: dict[str, int] = field(default_factory=dict)
 
+    @contextlib.contextmanager
+    def case(self):
+        """Count one case; it failed if it added problems."""
+        self.tried += 1
+        before = len(self.problems)
+        yield
+        self.failed += len(self.problems) > before
+
     def add(self, other: "Tally") -> None:
         self.tried += other.tried
+        self.failed += other.failed
         self.problems += other.problems
         for k, v in other.states.items():
             self.states[k] = self.states.get(k, 0) + v
@@ -342,25 +354,31 @@ def sweep(work: Path, kind: str, layout: str, command: str, *, start: str = "pri
         if run.rc == 0:
             shutil.rmtree(case_root)
             break
-        tally.tried += 1
-        if run.rc != 137:
-            tally.problems.append(f"{label}: exit {run.rc}: {run.err.strip()[-300:]}")
-        now_root = tree_digest(case_root)
-        changed = sorted(k for k, v in frozen.items() if now_root.get(k) != v)
-        if changed:
-            tally.problems.append(f"{label}: changed files it must not touch: {changed}")
-        matched = [ref for ref in refs if loads_as(case, ref)]
-        if not matched:
-            tally.problems.append(f"{label}: the dir loads as none of: {', '.join(r.name for r in refs)}")
-        elif matched[-1].check_args is not None and matched[-1] is not pristine:
-            check = cli("patch", "--check", *matched[-1].check_args, case)
-            if check.rc != 0:
-                tally.problems.append(f"{label}: loads as {matched[-1].name} but --check fails: {check.err.strip()}")
-        for ref in matched[-1:]:
-            tally.states[ref.name] = tally.states.get(ref.name, 0) + 1
-        tally.problems += recover(case_root, d_rel, work, pristine_root, args if command == "patch" else (), label)
+        with tally.case():
+            _judge_kill(tally, run, label, case, case_root, d_rel, work, frozen, refs, pristine, pristine_root,
+                        args if command == "patch" else ())
         shutil.rmtree(case_root)
     return tally
+
+
+def _judge_kill(tally, run, label, case, case_root, d_rel, work, frozen, refs, pristine, pristine_root, patch_args):
+    """One killed run: exit 137, nothing untouchable touched, loads as a known state, recoverable."""
+    if run.rc != 137:
+        tally.problems.append(f"{label}: exit {run.rc}: {run.err.strip()[-300:]}")
+    now_root = tree_digest(case_root)
+    changed = sorted(k for k, v in frozen.items() if now_root.get(k) != v)
+    if changed:
+        tally.problems.append(f"{label}: changed files it must not touch: {changed}")
+    matched = [ref for ref in refs if loads_as(case, ref)]
+    if not matched:
+        tally.problems.append(f"{label}: the dir loads as none of: {', '.join(r.name for r in refs)}")
+    elif matched[-1].check_args is not None and matched[-1] is not pristine:
+        check = cli("patch", "--check", *matched[-1].check_args, case)
+        if check.rc != 0:
+            tally.problems.append(f"{label}: loads as {matched[-1].name} but --check fails: {check.err.strip()}")
+    for ref in matched[-1:]:
+        tally.states[ref.name] = tally.states.get(ref.name, 0) + 1
+    tally.problems += recover(case_root, d_rel, work, pristine_root, patch_args, label)
 
 
 def _emulate_old_layout(d: Path) -> None:
@@ -394,9 +412,13 @@ def _emulate_old_layout(d: Path) -> None:
 SWEEPS = {
     "patch-qwen2_moe-plain": ("qwen2_moe", "plain", "patch", "pristine", ()),
     "patch-hub_deepseek-plain": ("hub_deepseek", "plain", "patch", "pristine", ()),
+    "patch-deepseek_v2-plain": ("deepseek_v2", "plain", "patch", "pristine", ()),
+    "patch-no-coalesce-qwen2_moe-plain": ("qwen2_moe", "plain", "patch", "pristine", ("--no-coalesce",)),
     "patch-qwen2_moe-hf_cache": ("qwen2_moe", "hf_cache", "patch", "pristine", ()),
     "patch-hub_deepseek-hf_cache": ("hub_deepseek", "hf_cache", "patch", "pristine", ()),
     "revert-qwen2_moe-plain": ("qwen2_moe", "plain", "revert", "patched", ()),
+    "revert-hub_deepseek-plain": ("hub_deepseek", "plain", "revert", "patched", ()),
+    "revert-qwen2_moe-hf_cache": ("qwen2_moe", "hf_cache", "revert", "patched", ()),
     "revert-hub_deepseek-hf_cache": ("hub_deepseek", "hf_cache", "revert", "patched", ()),
     "repatch-no-coalesce-qwen2_moe": ("qwen2_moe", "plain", "patch", "patched", ("--no-coalesce",)),
     "repatch-coalesce-hub_deepseek": ("hub_deepseek", "hf_cache", "patch", "patched-no-coalesce", ()),
@@ -463,6 +485,23 @@ def test_leftovers_of_a_killed_run_are_removed_by_the_next_one(fast, tmp_path):
     (d / ".codegen" / "manifest.json").unlink()
     assert cli("revert", d).rc == 0
     assert (d / ".codegen" / "originals" / "config.json").is_file()
+
+
+def test_out_cleans_up_a_killed_out_runs_half_made_copy(fast, tmp_path):
+    d = build("qwen2_moe", tmp_path / "m")
+    before = tree_digest(d)
+    warm(d)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".copy.codegen-tmp-{int(dead.stdout)}"
+    (stale / "sub").mkdir(parents=True)
+    (stale / "config.json").write_text("{half")
+    live = tmp_path / f".copy.codegen-tmp-{os.getpid()}"  # another run still copying: left alone
+    live.mkdir()
+    r = cli("patch", "--out", tmp_path / "copy", d)
+    assert r.rc == 0, r.err
+    assert not stale.exists() and live.exists()
+    assert tree_digest(d) == before  # the source dir is never touched
+    assert cli("patch", "--check", tmp_path / "copy").rc == 0
 
 
 # ------------------------------------------------------------------------------------------ HF cache
@@ -665,21 +704,27 @@ def failing_writes(work: Path, kind: str) -> Tally:
             if r.rc == 0:
                 shutil.rmtree(case)
                 break
-            tally.tried += 1
-            if r.rc != 4 or len(r.lines) != 1 or words not in r.err or "Traceback" in r.err:
-                tally.problems.append(f"{label}: rc={r.rc} stderr={r.err.strip()[-300:]!r}")
-            if command == "patch" and (tree_digest(case) != start or listing(case) != start_listing):
-                tally.problems.append(f"{label}: the dir changed")
-            if ".codegen-tmp-" in r.err:
-                tally.problems.append(f"{label}: the message names a temp file: {r.err.strip()}")
-            if command == "revert":
-                if not (loads_as(case, pristine_ref) or loads_as(case, patched_ref)):
-                    tally.problems.append(f"{label}: loads as neither patched nor before")
-                again = cli("revert", case)
-                if again.rc != 0 or tree_digest(case) != pristine:
-                    tally.problems.append(f"{label}: revert afterwards: rc={again.rc} {again.err.strip()}")
+            with tally.case():
+                _judge_failure(tally, r, label, command, case, start, start_listing, words, pristine_ref,
+                               patched_ref, pristine)
             shutil.rmtree(case)
     return tally
+
+
+def _judge_failure(tally, r, label, command, case, start, start_listing, words, pristine_ref, patched_ref, pristine):
+    """One run whose writes failed: exit 4 and one line; patch changed nothing; revert left a loadable dir."""
+    if r.rc != 4 or len(r.lines) != 1 or words not in r.err or "Traceback" in r.err:
+        tally.problems.append(f"{label}: rc={r.rc} stderr={r.err.strip()[-300:]!r}")
+    if command == "patch" and (tree_digest(case) != start or listing(case) != start_listing):
+        tally.problems.append(f"{label}: the dir changed")
+    if ".codegen-tmp-" in r.err:
+        tally.problems.append(f"{label}: the message names a temp file: {r.err.strip()}")
+    if command == "revert":
+        if not (loads_as(case, pristine_ref) or loads_as(case, patched_ref)):
+            tally.problems.append(f"{label}: loads as neither patched nor before")
+        again = cli("revert", case)
+        if again.rc != 0 or tree_digest(case) != pristine:
+            tally.problems.append(f"{label}: revert afterwards: rc={again.rc} {again.err.strip()}")
 
 
 @pytest.mark.parametrize("kind", ["qwen2_moe", "hub_deepseek"])

@@ -24,9 +24,11 @@ def test_patch_is_idempotent_checkable_and_revertible(make_dir, kind):
     assert first.returncode == 0, first.stderr
     after = tree_digest(d)
     assert after != before
+    assert after.get("modeling_deepseek.py") == before.get("modeling_deepseek.py")  # shipped code untouched
     config = json.loads((d / "config.json").read_text())
     assert config[KNOB] is True
-    module = "modeling_deepseek" if kind == "hub_deepseek" else f"modeling_{kind}"
+    # remote code M.py is never rewritten: the patched copy is M_codegen.py and auto_map points at it
+    module = "modeling_deepseek_codegen" if kind == "hub_deepseek" else f"modeling_{kind}"
     assert config["auto_map"]["AutoModelForCausalLM"].startswith(module + ".")
     assert config["auto_map"]["AutoModel"].startswith(module + ".")
     assert (d / "autotp_policy.py").is_file() and (d / f"{module}.py").is_file()

@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 
 from test_hardening import SWEEPS, Tally, cached, failing_writes, fast, outcome  # noqa: F401 - fast is a fixture
-from test_sources import config_corpus, source_corpus, warm_and_run_config_corpus  # noqa: F401
+from test_sources import source_corpus, warm_and_run_config_corpus
 
 
 def test_reliability_figure(fast, tmp_path_factory):
@@ -35,7 +35,7 @@ def test_reliability_figure(fast, tmp_path_factory):
         total.add(tally)
     detail = ", ".join(f"{name} {t.tried}" for name, t in parts.items())
     line = (f"RELIABILITY: {total.tried} bad inputs and fault injections tried, "
-            f"{len(total.problems)} left the dir changed or corrupted")
+            f"{total.failed} left the dir changed or corrupted")
     print(f"\n{line}\n  ({detail})")
     out = os.environ.get("CODEGEN_RELIABILITY_OUT")
     if out:

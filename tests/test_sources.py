@@ -14,7 +14,6 @@ import shutil
 import textwrap
 from pathlib import Path
 
-import pytest
 
 from conftest import tree_digest
 from test_hardening import (  # noqa: F401 - fast is a fixture
@@ -245,8 +244,8 @@ def source_corpus(work: Path) -> Tally:
     cases["already-patched-by-codegen"] = (_patched_by_codegen(), (3, "already patched"))
     cases["patched-by-an-older-version"] = (_older_version_patch(), (3, "already patched"))
     for name, (data, expect) in cases.items():
-        tally.tried += 1
-        tally.problems += check_source(name, data, expect, work)
+        with tally.case():
+            tally.problems += check_source(name, data, expect, work)
     return tally
 
 
@@ -369,23 +368,23 @@ def check_config(name: str, kind: str, config, expect, work: Path) -> list[str]:
 def config_corpus(work: Path) -> Tally:
     tally = Tally()
     for name, (kind, config, expect) in CONFIGS.items():
-        tally.tried += 1
-        tally.problems += check_config(name, kind, config, expect, work)
+        with tally.case():
+            tally.problems += check_config(name, kind, config, expect, work)
     for name, setup in {"no-config": lambda d: (d / "config.json").unlink(),
                         "config-is-a-directory": lambda d: ((d / "config.json").unlink(), (d / "config.json").mkdir()),
                         "config-dangling-symlink": lambda d: ((d / "config.json").unlink(),
                                                               (d / "config.json").symlink_to("gone.json")),
                         "missing-dir": lambda d: shutil.rmtree(d),
                         "dir-is-a-file": lambda d: (shutil.rmtree(d), d.write_text("x"))}.items():
-        tally.tried += 1
-        d = build("qwen2_moe", work / name)
-        setup(d)
-        before = tree_digest(d) if d.is_dir() else None
-        r = cli("patch", d)
-        if r.rc != 2 or len(r.lines) != 1 or "Traceback" in r.err:
-            tally.problems.append(f"{name}: expected one line and exit 2, got {r.rc}: {r.err.strip()!r}")
-        if before is not None and tree_digest(d) != before:
-            tally.problems.append(f"{name}: the dir changed")
+        with tally.case():
+            d = build("qwen2_moe", work / name)
+            setup(d)
+            before = tree_digest(d) if d.is_dir() else None
+            r = cli("patch", d)
+            if r.rc != 2 or len(r.lines) != 1 or "Traceback" in r.err:
+                tally.problems.append(f"{name}: expected one line and exit 2, got {r.rc}: {r.err.strip()!r}")
+            if before is not None and tree_digest(d) != before:
+                tally.problems.append(f"{name}: the dir changed")
     return tally
 
 
