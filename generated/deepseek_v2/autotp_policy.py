@@ -59,6 +59,7 @@ def init_inference(model, tp_size, dtype=None, **deepspeed_kwargs):
     """Shard `model` over `tp_size` ranks with DeepSpeed AutoTP and reduce once per MoE layer.
 
     Wraps `deepspeed.init_inference` (AutoTP, no kernel injection); extra keyword arguments go to it.
+    `dtype=None` keeps the model's dtype (DeepSpeed alone would convert it to float16).
     Ranks form tensor-parallel groups of `tp_size` consecutive ranks (one node's GPUs under the
     `deepspeed` launcher); every reduction stays inside its own group.
     """
@@ -78,15 +79,16 @@ def init_inference(model, tp_size, dtype=None, **deepspeed_kwargs):
     tensor_parallel["tp_size"] = tp_size
     if "mpu" not in tensor_parallel:
         tensor_parallel["mpu"] = _TensorParallelGroups(dist, tp_size, user_group)
+    group = tensor_parallel["mpu"].get_model_parallel_group()
     # DeepSpeed's AutoTP shards with `tp_group`; the engine takes its group from `mpu`: give both the same.
-    tensor_parallel["tp_group"] = tensor_parallel["mpu"].get_model_parallel_group()
+    tensor_parallel["tp_group"] = group
+    world = dist.get_world_size(group=group)
+    if world != tp_size:
+        raise PolicyError(f"the tensor-parallel group given has {world} ranks, tp_size is {tp_size}")
     deepspeed_kwargs.setdefault("replace_with_kernel_inject", False)
-    if dtype is not None:
-        deepspeed_kwargs["dtype"] = dtype
+    deepspeed_kwargs["dtype"] = dtype if dtype is not None else next(model.parameters()).dtype
     engine = deepspeed.init_inference(model, tensor_parallel=tensor_parallel, **deepspeed_kwargs)
 
-    group = tensor_parallel["mpu"].get_model_parallel_group()
-    world = dist.get_world_size(group=group)
     _keep_reductions_in_group(dist, world)
     if coalesce and world > 1:
         rank = dist.get_rank(group=group)
@@ -117,7 +119,12 @@ class _AllReduceSum(torch.autograd.Function):
 
 
 class _CoalescedAllReduce:
-    """Attached to each MoE block; the patched forward calls it once with routed + shared partial sums."""
+    """Attached to each MoE block; the patched forward calls it once with routed + shared partial sums.
+
+    Always over the TP group DeepSpeed shards with (never WORLD). Without autograd: DeepSpeed's
+    `inference_all_reduce`, the path its own row-parallel layers take. With grad enabled on a tensor
+    that needs it: an autograd-aware all-reduce whose backward passes the gradient through.
+    """
 
     enabled = True
 
