@@ -87,7 +87,7 @@ def launch(spec: dict, world: int, timeout: float, progress: Progress, device: s
 
     Rank 0's progress lines are shown as they come; any failure is one line (VerifyFailed).
     """
-    from codegen.runtime import _last_error_line, free_port
+    from codegen.runtime import _last_error_line, extensions_dir, free_port, remove_shm_buffers
 
     with tempfile.TemporaryDirectory(prefix="codegen-bench-ranks-") as out:
         spec_path = Path(out, "spec.json")
@@ -137,7 +137,7 @@ def launch(spec: dict, world: int, timeout: float, progress: Progress, device: s
             _kill_group(proc)
             raise
         finally:
-            _remove_shm_buffers(port)
+            remove_shm_buffers(port)
         reader.join(timeout=5)
         results = []
         for rank in range(world):
@@ -153,33 +153,9 @@ def launch(spec: dict, world: int, timeout: float, progress: Progress, device: s
         return results
 
 
-def extensions_dir() -> str:
-    """A torch-extensions build dir per Python environment.
-
-    DeepSpeed JIT-compiles its CPU shared-memory all-reduce (`deepspeed_shm_comm`) into the shared
-    ~/.cache/torch_extensions/<py>_cpu; two virtualenvs with the same Python rebuild it there in turn
-    (1-3 minutes each time on 2 cores) because the include paths differ. One dir per environment
-    compiles once.
-    """
-    import hashlib
-
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    tag = hashlib.sha256(sys.prefix.encode()).hexdigest()[:10]
-    return os.path.join(base, "torch_extensions", f"codegen-{Path(sys.prefix).name}-{tag}")
-
-
-def _remove_shm_buffers(port: int) -> None:
-    """DeepSpeed's CPU all-reduce leaves its /dev/shm buffers (66 MiB per rank) behind; drop this launch's."""
-    import glob
-
-    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"):
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-
-
 def shm_op_built(directory: str | None = None) -> bool:
+    from codegen.runtime import extensions_dir
+
     return bool(list(Path(directory or extensions_dir()).glob("deepspeed_shm_comm/*.so")))
 
 

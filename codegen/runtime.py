@@ -82,7 +82,7 @@ def run_phases(
             try:
                 codes, timed_out, logs = _launch(args, world, port, timeout, Path(out))
             finally:
-                _remove_shm_buffers(port)
+                remove_shm_buffers(port)
             port_taken = "EADDRINUSE" in logs or "address already in use" in logs.lower()
             if attempt == 0 and any(codes) and port_taken:
                 continue  # another process took the port between free_port() and the rendezvous
@@ -151,7 +151,8 @@ def extensions_dir() -> str:
     return os.path.join(base, "torch_extensions", f"codegen-{Path(sys.prefix).name}-{tag}")
 
 
-def _remove_shm_buffers(port: int) -> None:
+def remove_shm_buffers(port: int) -> None:
+    """DeepSpeed's CPU all-reduce leaves its /dev/shm buffers (~66 MiB per rank) behind; drop one launch's."""
     for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"):
         try:
             os.unlink(path)

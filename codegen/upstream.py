@@ -19,7 +19,6 @@ import argparse
 import difflib
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
