@@ -195,7 +195,7 @@ def _worker_main(spec: dict, out: Path) -> None:
     import deepspeed
     import deepspeed.comm as dist
     from codegen.families import FAMILIES as KNOWN
-    from codegen.tp_worker import AllReduceCounter, has_remote_code, load, param_bytes
+    from codegen.tp_worker import AllReduceCounter, cache_of, has_remote_code, load, param_bytes
 
     device_kind = spec["device"]
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -217,13 +217,6 @@ def _worker_main(spec: dict, out: Path) -> None:
     def sync() -> None:
         if device_kind == "cuda":
             torch.cuda.synchronize()
-
-    def cache_of(output):
-        for attr in ("past_key_values", "cache"):
-            value = getattr(output, attr, None)
-            if value is not None:
-                return value
-        return None
 
     counter = AllReduceCounter()
     counter.install()

@@ -11,7 +11,7 @@ from typing import Any
 from codegen import __version__
 from codegen.errors import BadInput
 from codegen.families import FAMILIES, KNOB, Family, normalise_model_type
-from codegen.modeldir import CONFIG, ModelDir, sha256
+from codegen.modeldir import CONFIG, ModelDir
 from codegen.render import render
 from codegen.rewrite import Rewrite, RewriteTarget, rewrite_source
 from codegen.source import ModelSource, resolve_source
@@ -164,7 +164,3 @@ def unified_diff(name: str, before: bytes | None, after: bytes | None) -> str:
     a = [] if before is None else before.decode("utf-8", "replace").splitlines(keepends=True)
     b = [] if after is None else after.decode("utf-8", "replace").splitlines(keepends=True)
     return "".join(difflib.unified_diff(a, b, fromfile=f"a/{name}", tofile=f"b/{name}"))
-
-
-def written_digests(files: dict[str, bytes]) -> dict[str, str]:
-    return {name: sha256(data) for name, data in files.items()}

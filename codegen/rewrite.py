@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import libcst as cst
 import libcst.matchers as m
@@ -416,7 +415,3 @@ def _normalised(tree: ast.Module, target: RewriteTarget) -> str:
             return node
 
     return ast.dump(Absolute().visit(tree))
-
-
-def shipped_modules_of(directory: Path) -> frozenset[str]:
-    return frozenset(p.stem for p in directory.glob("*.py"))

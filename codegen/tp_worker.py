@@ -181,7 +181,8 @@ def per_block_counts(blocks, counter: AllReduceCounter) -> tuple[list[int], list
     return counts, handles
 
 
-def _cache_of(output):
+def cache_of(output):
+    """The model's KV cache from a forward output (transformers 5.x renamed `past_key_values` to `cache`)."""
     for attr in ("past_key_values", "cache"):
         value = getattr(output, attr, None)
         if value is not None:
@@ -442,7 +443,7 @@ def _tp_group_ranks(model) -> list:
 
 def _decode(model, ids, steps: int, warmup: int, counter: AllReduceCounter, dist) -> dict:
     out = model(ids, use_cache=True)
-    cache = _cache_of(out)
+    cache = cache_of(out)
     token = out.logits[:, -1:].argmax(-1)
     times, counts = [], []
     for step in range(warmup + steps):
@@ -451,7 +452,7 @@ def _decode(model, ids, steps: int, warmup: int, counter: AllReduceCounter, dist
         t0 = time.perf_counter()
         out = model(token, past_key_values=cache, use_cache=True)
         elapsed = time.perf_counter() - t0
-        cache = _cache_of(out)
+        cache = cache_of(out)
         token = out.logits[:, -1:].argmax(-1)
         if step >= warmup:
             times.append(elapsed)
