@@ -1,7 +1,10 @@
-"""Per-family knowledge, as data: one table a reader can scan, fed to one generic rewriter and policy.
+"""Per-family knowledge, as data: one table a reader can scan, fed to one generic rewriter, policy and harness.
 
-Everything the tool knows about Qwen2-MoE and DeepSeek-V2 lives here, so supporting a new release or
-a new family is a reviewed edit of this table, not a new code path.
+This is the only module that names a model type, a class, an attribute or a config key of a family.
+The rewriter (codegen.rewrite), the generated AutoTP policy (its header is rendered from
+`Family.policy_layout()`), the rank worker, the examples, the bench and the tests all read from here,
+so supporting a new family is a reviewed row of this table plus, at most, a new anchor or layout kind
+that every family can use. Every field drives behaviour; nothing here is only for show.
 """
 
 from __future__ import annotations
@@ -11,20 +14,31 @@ from dataclasses import dataclass, field
 #: The config.json key `patch` writes; the generated policy reads it. Off = stock DeepSpeed behaviour.
 KNOB = "codegen_coalesce_moe_all_reduce"
 
+#: Anchor kinds (codegen.rewrite): where the one reduction goes in the MoE block's forward.
+#: "shared_sum": after the statement that adds the shared expert output to the routed experts' sum.
+ANCHOR_SHARED_SUM = "shared_sum"
+
+#: Fused (transformers 5.x) expert layouts (codegen.policy_runtime shards each one).
+#: "gate_up_rows": gate_up [E, 2I, H], gate rows then up rows; down [E, H, I].
+FUSED_GATE_UP_ROWS = "gate_up_rows"
+
 
 @dataclass(frozen=True)
-class TPLayout:
-    """How the generated AutoTP policy treats each layer of one family (names relative to a decoder layer)."""
+class PerExpertMLP:
+    """transformers 4.x (and hub remote code): `experts` is a ModuleList of MLPs of `nn.Linear`s."""
 
-    #: gate/router layers kept replicated, unsplit and of their original type on every rank
-    replicated: tuple[str, ...]
-    #: row-parallel projections whose per-layer all-reduce the coalesced reduction replaces
-    routed_down: str
-    shared_down: tuple[str, ...]
-    #: column-parallel (sharded along the intermediate dimension) projections, for the reader
-    column: tuple[str, ...]
-    #: projections DeepSpeed keeps replicated for MLA low-rank attention
-    attention_replicated: tuple[str, ...] = ()
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+
+
+@dataclass(frozen=True)
+class FusedExperts:
+    """transformers 5.x: `experts` holds 3-D Parameters (one tensor for all experts) that AutoTP never touches."""
+
+    kind: str = FUSED_GATE_UP_ROWS
+    gate_up: str = "gate_up_proj"
+    down: str = "down_proj"
 
 
 @dataclass(frozen=True)
@@ -32,66 +46,115 @@ class Family:
     model_type: str
     #: the transformers module that ships the built-in implementation
     builtin_module: str
+    #: the transformers config class (examples build tiny checkpoints from it)
+    config_class: str
     #: class names of the MoE block, any generation (4.x, 5.x, hub remote code)
     moe_classes: tuple[str, ...]
-    #: attributes of the MoE block that compute the shared expert output
-    shared_attrs: tuple[str, ...]
+    #: the attribute of the MoE block holding the routed experts
+    experts_attr: str
+    #: routed experts of 4.x sources (a ModuleList of MLPs)
+    per_expert: PerExpertMLP
+    #: routed experts of 5.x sources (3-D Parameters)
+    fused: FusedExperts
+    #: attributes of the MoE block that are shared-expert MLPs (their down projection is `per_expert.down`)
+    shared_experts: tuple[str, ...]
+    #: attributes of the MoE block that compute routing weights: kept whole and of their own type on every rank
+    routers: tuple[str, ...]
+    #: where the reduction goes (ANCHOR_*)
+    anchor: str
     #: the class every model class derives from (gets the 5.x loader override)
     pretrained_class_suffix: str
     #: classes written into auto_map, by auto class
     auto_classes: dict[str, str]
     #: config keys naming the number of routed experts (first present wins)
     num_experts_keys: tuple[str, ...]
+    #: config keys naming the experts each token reaches
+    top_k_keys: tuple[str, ...]
     #: config keys that must be positive integers when present
     positive_int_keys: tuple[str, ...]
-    layout: TPLayout
+    #: config keys the tensor-parallel size must divide (checked by the policy, on `text_config` when nested)
+    tp_divisible_keys: tuple[str, ...]
+    #: attention projections that must stay replicated (MLA low-rank inputs)
+    attention_replicated: tuple[str, ...] = ()
+    #: what the bench and README call the bench-sized example of this family
+    bench_label: str = ""
     #: transformers releases whose source the regression matrix covers (also quoted in errors)
     known_good: tuple[str, ...] = field(default=())
+    #: hub-style remote code of this family the regression matrix covers: fixture dirs under tests/fixtures/
+    #: (one `modeling_*.py`, shipped next to its `configuration_*.py`)
+    remote_code_fixtures: tuple[str, ...] = ()
 
+    @property
+    def releases(self) -> tuple[str, ...]:
+        """The pinned transformers releases of `known_good` (the rest names remote code)."""
+        return tuple(v for v in self.known_good if v[:1].isdigit())
+
+    @property
+    def builtin_module_name(self) -> str:
+        return self.builtin_module.rsplit(".", 1)[-1]
+
+    def policy_layout(self) -> dict:
+        """The plain data the generated policy's header carries (codegen.policy_runtime reads only this)."""
+        return {
+            "family": self.model_type,
+            "moe_classes": list(self.moe_classes),
+            "experts": self.experts_attr,
+            "per_expert": {"gate": self.per_expert.gate, "up": self.per_expert.up, "down": self.per_expert.down},
+            "fused": {"kind": self.fused.kind, "gate_up": self.fused.gate_up, "down": self.fused.down},
+            "shared_experts": list(self.shared_experts),
+            "routers": list(self.routers),
+            "attention_replicated": list(self.attention_replicated),
+            "tp_divisible": list(self.tp_divisible_keys),
+        }
+
+
+_COMMON_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "moe_intermediate_size",
+                 "num_experts_per_tok", "vocab_size")
 
 FAMILIES: dict[str, Family] = {
     "qwen2_moe": Family(
         model_type="qwen2_moe",
         builtin_module="transformers.models.qwen2_moe.modeling_qwen2_moe",
+        config_class="Qwen2MoeConfig",
         moe_classes=("Qwen2MoeSparseMoeBlock",),
-        shared_attrs=("shared_expert", "shared_expert_gate"),
+        experts_attr="experts",
+        per_expert=PerExpertMLP(),
+        fused=FusedExperts(),
+        shared_experts=("shared_expert",),
+        routers=("gate", "shared_expert_gate"),
+        anchor=ANCHOR_SHARED_SUM,
         pretrained_class_suffix="PreTrainedModel",
         auto_classes={"AutoModelForCausalLM": "Qwen2MoeForCausalLM", "AutoModel": "Qwen2MoeModel"},
         num_experts_keys=("num_experts",),
-        positive_int_keys=(
-            "hidden_size", "num_hidden_layers", "num_attention_heads", "moe_intermediate_size",
-            "num_experts", "num_experts_per_tok", "vocab_size",
-        ),
-        layout=TPLayout(
-            replicated=("mlp.gate", "mlp.shared_expert_gate"),
-            routed_down="mlp.experts.*.down_proj",
-            shared_down=("mlp.shared_expert.down_proj",),
-            column=("mlp.experts.*.gate_proj", "mlp.experts.*.up_proj", "mlp.experts.gate_up_proj",
-                    "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
-        ),
+        top_k_keys=("num_experts_per_tok",),
+        positive_int_keys=(*_COMMON_SIZES, "num_experts"),
+        tp_divisible_keys=("num_attention_heads", "num_key_value_heads", "moe_intermediate_size",
+                           "shared_expert_intermediate_size", "intermediate_size"),
+        bench_label="Qwen1.5-MoE-A2.7B-like",
         known_good=("4.45.2", "4.51.3", "4.57.6", "5.0.0", "5.24.0"),
     ),
     "deepseek_v2": Family(
         model_type="deepseek_v2",
         builtin_module="transformers.models.deepseek_v2.modeling_deepseek_v2",
+        config_class="DeepseekV2Config",
         moe_classes=("DeepseekV2Moe", "DeepseekV2MoE"),
-        shared_attrs=("shared_experts",),
+        experts_attr="experts",
+        per_expert=PerExpertMLP(),
+        fused=FusedExperts(),
+        shared_experts=("shared_experts",),
+        routers=("gate",),
+        anchor=ANCHOR_SHARED_SUM,
         pretrained_class_suffix="PreTrainedModel",
         auto_classes={"AutoModelForCausalLM": "DeepseekV2ForCausalLM", "AutoModel": "DeepseekV2Model"},
         num_experts_keys=("n_routed_experts",),
-        positive_int_keys=(
-            "hidden_size", "num_hidden_layers", "num_attention_heads", "moe_intermediate_size",
-            "n_routed_experts", "num_experts_per_tok", "vocab_size",
-        ),
-        layout=TPLayout(
-            replicated=("mlp.gate",),
-            routed_down="mlp.experts.*.down_proj",
-            shared_down=("mlp.shared_experts.down_proj",),
-            column=("mlp.experts.*.gate_proj", "mlp.experts.*.up_proj", "mlp.experts.gate_up_proj",
-                    "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"),
-            attention_replicated=("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"),
-        ),
+        top_k_keys=("num_experts_per_tok",),
+        positive_int_keys=(*_COMMON_SIZES, "n_routed_experts"),
+        tp_divisible_keys=("num_attention_heads", "num_key_value_heads", "moe_intermediate_size",
+                           "intermediate_size"),
+        attention_replicated=("q_a_proj", "kv_a_proj_with_mqa"),
+        bench_label="DeepSeek-V2-Lite-like",
         known_good=("4.57.6", "5.0.0", "5.24.0", "hub remote code (modeling_deepseek.py)"),
+        remote_code_fixtures=("hub_deepseek",),
     ),
 }
 
@@ -102,3 +165,13 @@ def normalise_model_type(raw: object) -> str | None:
         return None
     key = raw.strip().lower().replace("-", "_")
     return key if key in FAMILIES else None
+
+
+def moe_class_names() -> frozenset[str]:
+    """Every MoE block class of every family (the harness finds blocks by these)."""
+    return frozenset(name for f in FAMILIES.values() for name in f.moe_classes)
+
+
+def fused_attr_names() -> frozenset[str]:
+    """Every fused-expert Parameter name of every family (the harness reports them as sharded weights)."""
+    return frozenset(n for f in FAMILIES.values() for n in (f.fused.gate_up, f.fused.down))

@@ -75,7 +75,7 @@ def _rewrite(text: str, target: RewriteTarget, helper_block: str) -> Rewrite:
     wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
     positions = wrapper.resolve(PositionProvider)
     anchor = _find_anchor(forward, target, positions, moe_class.name.value)
-    fused = _has_fused_experts(module)
+    fused = _has_fused_experts(module, target.family)
 
     patched = module.visit(InsertCoalescedReduction(moe_class.name.value, anchor))
     imports = AbsolutizeImports(target.package, target.shipped_modules)
@@ -181,7 +181,7 @@ def _find_anchor(forward: cst.FunctionDef, target: RewriteTarget, positions, cla
     Structural, not by name: an assignment `T = A + B` (or `T += B`) where one operand carries the shared
     expert output (a `self.<shared>` call, or a name assigned from one) and the other does not.
     """
-    attrs = target.family.shared_attrs
+    attrs = target.family.shared_experts
     body = list(forward.body.body)
 
     # names that carry the shared expert output, to a fixed point (`s = self.shared(x)`; `s = g * s`)
@@ -238,10 +238,10 @@ def _find_anchor(forward: cst.FunctionDef, target: RewriteTarget, positions, cla
     return anchor
 
 
-def _has_fused_experts(module: cst.Module) -> bool:
-    """transformers 5.x fuses experts into 3-D `gate_up_proj`/`down_proj` Parameters."""
+def _has_fused_experts(module: cst.Module, family: Family) -> bool:
+    """transformers 5.x fuses experts into 3-D Parameters (the family's `fused` layout names them)."""
     fused = m.Assign(
-        targets=[m.AssignTarget(target=m.Attribute(value=m.Name("self"), attr=m.Name("gate_up_proj")))],
+        targets=[m.AssignTarget(target=m.Attribute(value=m.Name("self"), attr=m.Name(family.fused.gate_up)))],
         value=m.Call(func=m.Attribute(attr=m.Name("Parameter")) | m.Name("Parameter")),
     )
     return bool(m.findall(module, fused))

@@ -97,7 +97,7 @@ class Entry:
 
 
 def _builtin_module_name(family: str) -> str:
-    return FAMILIES[family].builtin_module.rsplit(".", 1)[-1]
+    return FAMILIES[family].builtin_module_name
 
 
 def _builtin(family: str, release: str) -> Entry:
@@ -111,19 +111,28 @@ def _builtin(family: str, release: str) -> Entry:
     )
 
 
-#: The matrix. Each family covers every pinned release that ships it (test_regression checks the wheels).
-MATRIX: tuple[Entry, ...] = (
-    *(_builtin("qwen2_moe", r) for r in ("4.45.2", "4.51.3", "4.57.6", "5.0.0", "5.24.0")),
-    *(_builtin("deepseek_v2", r) for r in ("4.57.6", "5.0.0", "5.24.0")),
-    # hub-style remote code, shipped in the model dir next to its configuration module
-    Entry(
-        family="deepseek_v2",
-        source_id="hub_deepseek",
+def _remote(family: str, fixture: str) -> Entry:
+    """Hub-style remote code: a fixture dir shipping one `modeling_*.py` next to its configuration module."""
+    folder = ROOT / "tests" / "fixtures" / fixture
+    (modeling,) = sorted(folder.glob("modeling_*.py"))
+    return Entry(
+        family=family,
+        source_id=fixture,
         release=None,
-        path="tests/fixtures/hub_deepseek/modeling_deepseek.py",
-        package="transformers.models.deepseek_v2",
-        shipped_modules=frozenset({"configuration_deepseek"}),
-    ),
+        path=modeling.relative_to(ROOT).as_posix(),
+        package=FAMILIES[family].builtin_module.rsplit(".", 1)[0],
+        shipped_modules=frozenset(p.stem for p in folder.glob("configuration_*.py")),
+    )
+
+
+#: The matrix, from the family table: every pinned release a family lists, and its remote-code fixtures.
+MATRIX: tuple[Entry, ...] = tuple(
+    entry
+    for name, family in FAMILIES.items()
+    for entry in (
+        *(_builtin(name, r) for r in family.releases),
+        *(_remote(name, fixture) for fixture in family.remote_code_fixtures),
+    )
 )
 
 
