@@ -12,6 +12,7 @@ from codegen import __version__
 from codegen.errors import BadInput
 from codegen.families import FAMILIES, KNOB, Family, normalise_model_type
 from codegen.modeldir import CONFIG, ModelDir
+from codegen.policy import render_policy
 from codegen.render import render
 from codegen.rewrite import Rewrite, RewriteTarget, rewrite_source
 from codegen.source import ModelSource, resolve_source
@@ -102,32 +103,6 @@ def render_helper_block(family: Family) -> str:
         "modeling_block.py.j2",
         knob=KNOB,
         patch_info={"tool": "codegen", "version": __version__, "family": family.model_type},
-    )
-
-
-def render_policy(family: Family, modeling_module: str) -> str:
-    """The `autotp_policy.py` `patch` writes next to the patched `<modeling_module>.py`."""
-    return render(
-        "autotp_policy.py.j2",
-        family=family.model_type,
-        knob=KNOB,
-        moe_classes=list(family.moe_classes),
-        layout=_legacy_layout(family),
-        modeling_module=modeling_module,
-    )
-
-
-def _legacy_layout(family: Family):
-    """Transitional: the old template's view of the table (the policy refactor replaces the template)."""
-    from types import SimpleNamespace
-
-    down = family.per_expert.down
-    return SimpleNamespace(
-        replicated=tuple(f"mlp.{r}" for r in family.routers),
-        routed_down=f"mlp.{family.experts_attr}.*.{down}",
-        shared_down=tuple(f"mlp.{s}.{down}" for s in family.shared_experts),
-        column=(),
-        attention_replicated=tuple(f"self_attn.{a}" for a in family.attention_replicated),
     )
 
 
