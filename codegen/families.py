@@ -39,6 +39,8 @@ class FusedExperts:
     kind: str = FUSED_GATE_UP_ROWS
     gate_up: str = "gate_up_proj"
     down: str = "down_proj"
+    #: attribute holding the per-expert intermediate size, which the policy sets to its shard
+    size_attr: str = "intermediate_dim"
 
 
 @dataclass(frozen=True)
@@ -100,8 +102,9 @@ class Family:
             "moe_classes": list(self.moe_classes),
             "experts": self.experts_attr,
             "per_expert": {"gate": self.per_expert.gate, "up": self.per_expert.up, "down": self.per_expert.down},
-            "fused": {"kind": self.fused.kind, "gate_up": self.fused.gate_up, "down": self.fused.down},
-            "shared_experts": list(self.shared_experts),
+            "fused": {"kind": self.fused.kind, "gate_up": self.fused.gate_up, "down": self.fused.down,
+                      "size_attr": self.fused.size_attr},
+            "shared": list(self.shared_experts),
             "routers": list(self.routers),
             "attention_replicated": list(self.attention_replicated),
             "tp_divisible": list(self.tp_divisible_keys),

@@ -1,0 +1,649 @@
+"""codegen.policy_runtime driven directly: small nn.Module trees, a fake process group, a fake DeepSpeed.
+
+No ranks are launched here (tests/test_runtime.py and tests/test_verify.py run the rendered policy on real
+DeepSpeed ranks). The layouts are the family table's own (`Family.policy_layout()`) plus a made-up family
+whose every name differs, which proves the runtime holds no family knowledge of its own.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import hashlib
+import os
+import re
+import signal
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from codegen import policy_runtime as rt
+from codegen.families import FAMILIES
+from codegen.policy import SEPARATOR, render_header, render_policy, runtime_text, split_policy
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: a made-up family: no name here is one the real families use
+TOY = {
+    "family": "toy", "moe_classes": ["ToyMoe"], "experts": "bank",
+    "per_expert": {"gate": "w1", "up": "w3", "down": "w2"},
+    "fused": {"kind": "gate_up_rows", "gate_up": "w13", "down": "w2", "size_attr": "inter"},
+    "shared": ["common"], "routers": ["router", "common_router"], "attention_replicated": ["kv_in"],
+    "tp_divisible": ["heads", "ffn"],
+}
+H, I, E = 8, 4, 3  # hidden, expert intermediate, experts
+
+
+def _one_line(info) -> str:
+    message = str(info.value)
+    assert message and "\n" not in message
+    return message
+
+
+# ------------------------------------------------------------------------------------------- fake torch.dist
+
+
+class FakeGroup:
+    def __init__(self, ranks):
+        self.ranks = list(ranks)
+
+
+class FakeDist:
+    """deepspeed.comm as the policy uses it, for one rank; reductions are recorded, not performed."""
+
+    def __init__(self, world=2, rank=0):
+        self.world, self.rank = world, rank
+        self.calls, self.groups = [], []
+
+    def is_initialized(self):
+        return True
+
+    def get_world_size(self, group=None):
+        return len(group.ranks) if group is not None else self.world
+
+    def get_rank(self, group=None):
+        return group.ranks.index(self.rank) if group is not None else self.rank
+
+    def new_group(self, ranks):
+        self.groups.append(list(ranks))
+        return FakeGroup(ranks)
+
+    def all_reduce(self, tensor, group=None, **kwargs):
+        self.calls.append(("all_reduce", group, kwargs))
+
+    def inference_all_reduce(self, tensor, group=None):
+        self.calls.append(("inference_all_reduce", group, {}))
+
+
+# ----------------------------------------------------------------------------------- fake DeepSpeed AutoTP
+
+
+class FakeColumn(nn.Module):
+    """What DeepSpeed makes of a column-parallel nn.Linear: this rank's output rows."""
+
+    def __init__(self, linear, rank, world):
+        super().__init__()
+        rows = linear.out_features // world
+        self.weight = nn.Parameter(linear.weight.data[rank * rows:(rank + 1) * rows].clone())
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.data[rank * rows:(rank + 1) * rows].clone())
+
+    def forward(self, x):
+        out = x @ self.weight.T
+        return out if self.bias is None else out + self.bias
+
+
+class FakeRow(nn.Module):
+    """What DeepSpeed makes of a row-parallel nn.Linear: this rank's input columns, then its own reduction."""
+
+    def __init__(self, linear, rank, world, dist=None):
+        super().__init__()
+        cols = linear.in_features // world
+        self.weight = nn.Parameter(linear.weight.data[:, rank * cols:(rank + 1) * cols].clone())
+        self.bias = linear.bias
+        self.tp_index = rank
+        self.dist = dist
+
+    def forward(self, x):
+        self.dist.calls.append(("row layer reduces", None, {}))
+        return x @ self.weight.T + (0 if self.bias is None else self.bias)
+
+
+def fake_deepspeed(dist, rows=("w2", "o")):
+    """Module objects standing in for deepspeed: init_inference wraps EVERY nn.Linear, subclasses included."""
+
+    def init_inference(model, tensor_parallel, dtype, replace_with_kernel_inject):
+        group = tensor_parallel["mpu"].get_model_parallel_group()
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+
+        def walk(module):
+            for name, child in list(module.named_children()):
+                if isinstance(child, nn.Linear):
+                    cls = FakeRow if name in rows else FakeColumn
+                    setattr(module, name, cls(child, rank, world, dist) if cls is FakeRow else cls(child, rank, world))
+                else:
+                    walk(child)
+
+        walk(model)
+        model.to(dtype)
+        return types.SimpleNamespace(module=model, mp_group=group)
+
+    class TPConfig:
+        model_fields = {"tp_size": None, "mpu": None, "tp_group": None}
+
+    backend = types.SimpleNamespace(inference_all_reduce=lambda *a, **k: None, shm_comm_op=None)
+    ds = types.ModuleType("fake_deepspeed")
+    ds.__file__ = str(ROOT / "nowhere" / "__init__.py")
+    ds.__version__ = "0.0-fake"
+    ds.init_inference, ds.init_distributed = init_inference, lambda: None
+    ds.comm = types.SimpleNamespace(all_reduce=dist.all_reduce, inference_all_reduce=dist.inference_all_reduce,
+                                    comm=types.SimpleNamespace(cdb=backend))
+    ds.module_inject = types.SimpleNamespace(layers=types.SimpleNamespace(LinearLayer=FakeColumn, LinearAllreduce=FakeRow))
+    ds.inference = types.SimpleNamespace(config=types.SimpleNamespace(DeepSpeedTPConfig=TPConfig))
+    return ds
+
+
+@pytest.fixture
+def with_fake_deepspeed(monkeypatch):
+    """Install a fake deepspeed (and deepspeed.comm) for one rank of `world`; returns (ds, dist)."""
+
+    def install(world=2, rank=0):
+        dist = FakeDist(world, rank)
+        ds = fake_deepspeed(dist)
+        ds.__name__ = "deepspeed"
+        comm = types.ModuleType("deepspeed.comm")
+        for name in ("is_initialized", "get_world_size", "get_rank", "new_group", "all_reduce",
+                     "inference_all_reduce"):
+            setattr(comm, name, getattr(dist, name))
+        comm.comm = ds.comm.comm
+        ds.comm = comm
+        monkeypatch.setitem(sys.modules, "deepspeed", ds)
+        monkeypatch.setitem(sys.modules, "deepspeed.comm", comm)
+        for sub in ("module_inject", "module_inject.layers", "inference", "inference.config"):
+            monkeypatch.setitem(sys.modules, f"deepspeed.{sub}", types.ModuleType(f"deepspeed.{sub}"))
+        monkeypatch.setattr(rt, "own_shm_buffer", lambda rank: None)  # no /dev/shm in these tests
+        return ds, dist
+
+    return install
+
+
+# ------------------------------------------------------------------------------------------- a toy model
+
+
+class Router(nn.Linear):
+    """A router that subclasses nn.Linear: DeepSpeed would wrap it like any Linear."""
+
+
+class MLP(nn.Module):
+    def __init__(self, names):
+        super().__init__()
+        for role, (i, o) in {"gate": (H, I), "up": (H, I), "down": (I, H)}.items():
+            setattr(self, names[role], nn.Linear(i, o, bias=False))
+        self.names = names
+
+    def forward(self, x):
+        n = self.names
+        return getattr(self, n["down"])(torch.relu(getattr(self, n["gate"])(x)) * getattr(self, n["up"])(x))
+
+
+class FusedBank(nn.Module):
+    def __init__(self, names):
+        super().__init__()
+        self.names = names
+        setattr(self, names["gate_up"], nn.Parameter(torch.randn(E, 2 * I, H)))
+        setattr(self, names["down"], nn.Parameter(torch.randn(E, H, I)))
+        setattr(self, names["size_attr"], I)
+
+    def forward(self, x, weights):
+        out = torch.zeros_like(x)
+        for e in range(E):
+            gate, up = nn.functional.linear(x, getattr(self, self.names["gate_up"])[e]).chunk(2, dim=-1)
+            out = out + weights[:, e:e + 1] * nn.functional.linear(torch.relu(gate) * up,
+                                                                   getattr(self, self.names["down"])[e])
+        return out
+
+
+class ToyMoe(nn.Module):
+    def __init__(self, layout, fused):
+        super().__init__()
+        setattr(self, layout["routers"][0], Router(H, E, bias=False))
+        setattr(self, layout["experts"], FusedBank(layout["fused"]) if fused
+                else nn.ModuleList(MLP(layout["per_expert"]) for _ in range(E)))
+        for shared in layout["shared"]:
+            setattr(self, shared, MLP(layout["per_expert"]))
+        setattr(self, layout["routers"][1], Router(H, 1, bias=False))
+        self.layout = layout
+
+    def forward(self, x):
+        lay = self.layout
+        weights = torch.softmax(getattr(self, lay["routers"][0])(x), dim=-1)
+        experts = getattr(self, lay["experts"])
+        if isinstance(experts, nn.ModuleList):
+            routed = sum(weights[:, e:e + 1] * experts[e](x) for e in range(E))
+        else:
+            routed = experts(x, weights)
+        shared = torch.sigmoid(getattr(self, lay["routers"][1])(x)) * getattr(self, lay["shared"][0])(x)
+        out = routed + shared
+        reducer = getattr(self, rt.REDUCER_ATTR, None)  # what the patched forward does, once
+        return out if reducer is None else reducer(out)
+
+
+class ToyAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.kv_in = nn.Linear(H, H, bias=False)
+        self.o = nn.Linear(H, H, bias=False)
+
+
+class ToyModel(nn.Module):
+    def __init__(self, fused=False, layout=TOY):
+        super().__init__()
+        self.config = types.SimpleNamespace(heads=4, ffn=8, codegen_knob=True)
+        self.attn = ToyAttention()
+        self.moe = ToyMoe(layout, fused)
+
+
+_MODULE = types.ModuleType("toy_modeling_codegen")
+_MODULE._CODEGEN_PATCH = {"family": "toy"}
+ToyModel.__module__ = _MODULE.__name__
+sys.modules[_MODULE.__name__] = _MODULE
+
+
+def _toy(fused=False, seed=0):
+    torch.manual_seed(seed)
+    return ToyModel(fused).eval()
+
+
+# ----------------------------------------------------------------------------------------- whole policy
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["per-expert", "fused"])
+def test_policy_on_two_simulated_ranks_sums_to_the_unsharded_output(with_fake_deepspeed, fused):
+    """Each rank's MoE output is a partial sum; the two add up to the unsharded block's output."""
+    x = torch.randn(5, H)
+    full = _toy(fused)
+    with torch.no_grad():
+        expected = full.moe(x)
+    partial = []
+    for rank in (0, 1):
+        ds, dist = with_fake_deepspeed(world=2, rank=rank)
+        model = copy.deepcopy(full)
+        routers = {r: getattr(model.moe, r) for r in TOY["routers"]}
+        engine = rt.shard_model(model, 2, None, {}, TOY, "codegen_knob")
+        assert dist.groups == [[0, 1]] and engine.mp_group.ranks == [0, 1]
+        moe = engine.module.moe
+        # routers and the replicated projection: the same objects, whole, in their place and order
+        assert {r: getattr(moe, r) for r in TOY["routers"]} == routers
+        assert list(moe._modules) == list(full.moe._modules)
+        assert type(model.attn.kv_in) is nn.Linear and isinstance(model.attn.o, FakeRow)
+        with torch.no_grad():
+            partial.append(moe(x))
+        # the one reduction, over the TP group, and no row layer reduced on its own
+        assert [(c[0], c[1].ranks) for c in dist.calls] == [("inference_all_reduce", [0, 1])]
+    torch.testing.assert_close(partial[0] + partial[1], expected)
+
+
+def test_fused_shards_concatenate_to_the_full_tensors():
+    names = TOY["fused"]
+    full = FusedBank(names)
+    gate_up, down = full.w13.detach().clone(), full.w2.detach().clone()
+    shards = []
+    for rank in range(2):
+        bank = copy.deepcopy(full)
+        param = bank.w13
+        rt.shard_fused_experts(bank, "moe.bank", rank, 2, names)
+        assert bank.w13 is param and isinstance(bank.w13, nn.Parameter)  # same registered Parameter
+        assert getattr(bank, rt.SHARDED_FLAG) is True and bank.inter == I // 2
+        shards.append((bank.w13.detach(), bank.w2.detach()))
+    gates = torch.cat([s[0][:, :I // 2] for s in shards], dim=1)
+    ups = torch.cat([s[0][:, I // 2:] for s in shards], dim=1)
+    assert torch.equal(torch.cat([gates, ups], dim=1), gate_up)  # gate|up packing kept per rank
+    assert torch.equal(torch.cat([s[1] for s in shards], dim=2), down)
+
+
+def test_fused_names_missing_is_one_line_naming_the_layer():
+    bank = FusedBank({**TOY["fused"], "gate_up": "other"})
+    with pytest.raises(rt.PolicyError) as info:
+        rt.shard_fused_experts(bank, "model.layers.3.moe.bank", 0, 2, TOY["fused"])
+    assert _one_line(info) == ("model.layers.3.moe.bank has no 3-D Parameter 'w13' to shard: "
+                               "its experts are not the fused layout the family table names")
+
+
+def test_fused_size_that_does_not_split_is_refused():
+    bank = FusedBank(TOY["fused"])
+    with pytest.raises(rt.PolicyError) as info:
+        rt.shard_fused_experts(bank, "moe.bank", 0, 3, TOY["fused"])
+    assert "cannot split the expert size 4 over 3 ranks" in _one_line(info)
+
+
+def test_an_unknown_fused_kind_is_refused():
+    with pytest.raises(rt.PolicyError) as info:
+        rt.shard_fused_experts(FusedBank(TOY["fused"]), "moe.bank", 0, 2, {**TOY["fused"], "kind": "rows_v9"})
+    assert _one_line(info) == "moe.bank: unknown fused expert layout 'rows_v9': re-run patch"
+
+
+def test_every_family_fused_kind_has_a_sharder():
+    assert {f.fused.kind for f in FAMILIES.values()} <= set(rt.FUSED_SHARDERS)
+
+
+def test_an_expert_deepspeed_left_unsharded_is_one_line_naming_it(with_fake_deepspeed):
+    ds, dist = with_fake_deepspeed()
+    model = _toy()
+    original = ds.init_inference
+
+    def leaves_one_expert(model, **kwargs):
+        keep = model.moe.bank[1].w1
+        engine = original(model, **kwargs)
+        model.moe.bank[1].w1 = keep  # a DeepSpeed that skipped it
+        return engine
+
+    ds.init_inference = leaves_one_expert
+    with pytest.raises(rt.PolicyError) as info:
+        rt.shard_model(model, 2, None, {}, TOY, "codegen_knob")
+    assert _one_line(info) == ("moe.bank.1.w1 is Linear, not sharded by deepspeed.init_inference "
+                               "as a column-parallel layer")
+
+
+def test_a_shared_expert_the_table_does_not_name_is_refused(with_fake_deepspeed):
+    """A row layer left reducing inside the block would be summed twice (x tp): refuse it."""
+    with_fake_deepspeed()
+    model = _toy()
+    model.moe.extra_mlp = MLP(TOY["per_expert"])
+    with pytest.raises(rt.PolicyError) as info:
+        rt.shard_model(model, 2, None, {}, TOY, "codegen_knob")
+    assert _one_line(info) == ("moe.extra_mlp.w2 still reduces on its own inside the MoE block, which the family "
+                               "layout does not name: the one reduction would add it again")
+
+
+def test_knob_off_shards_nothing_itself_and_attaches_no_reducer(with_fake_deepspeed):
+    with_fake_deepspeed()
+    model = _toy(fused=True)
+    model.config.codegen_knob = False
+    rt.shard_model(model, 2, None, {}, TOY, "codegen_knob")
+    assert model.moe.bank.w13.shape == (E, 2 * I, H)
+    assert not hasattr(model.moe, rt.REDUCER_ATTR)
+    assert type(model.moe.router) is Router  # routers are kept whole either way
+
+
+def test_a_missing_router_is_refused(with_fake_deepspeed):
+    with_fake_deepspeed()
+    model = _toy()
+    del model.moe.common_router
+    with pytest.raises(rt.PolicyError) as info:
+        rt.shard_model(model, 2, None, {}, TOY, "codegen_knob")
+    assert _one_line(info) == "moe has no router 'common_router' (named by the family table): re-run patch"
+
+
+def test_routers_come_back_in_the_engine_dtype_and_a_changed_one_is_caught(with_fake_deepspeed):
+    with_fake_deepspeed()
+    model = _toy()
+    kept = rt.detach_replicated(model, rt.moe_blocks(model, TOY), TOY)
+    assert [k["where"] for k in kept] == ["moe.router", "moe.common_router", "attn.kv_in"]
+    assert "router" not in model.moe._modules and "kv_in" not in model.attn._modules
+    model.to(torch.float64)
+    rt.reattach(kept, torch.float64)
+    assert model.moe.router.weight.dtype == torch.float64 and list(model.moe._modules)[0] == "router"
+    rt.check_replicated(kept)
+    with torch.no_grad():
+        model.moe.common_router.weight[0, 0] += 1
+    with pytest.raises(rt.PolicyError) as info:
+        rt.check_replicated(kept)
+    assert _one_line(info) == "moe.common_router was split or changed by DeepSpeed: it must stay replicated"
+
+
+def test_reductions_stay_in_group_when_several_groups_share_the_shm_kernel():
+    dist = FakeDist(world=4, rank=2)
+    backend = types.SimpleNamespace(shm_comm_op=object(), inference_all_reduce="original")
+    rt.keep_reductions_in_group(backend, dist, several_groups=False)
+    assert backend.inference_all_reduce == "original"
+    rt.keep_reductions_in_group(backend, dist, several_groups=True)
+    group = FakeGroup([2, 3])
+    backend.inference_all_reduce(torch.ones(2), "SUM", group)
+    assert dist.calls == [("all_reduce", group, {"op": "SUM"})]
+
+
+def test_tp_groups_are_consecutive_ranks_and_a_bad_world_is_refused():
+    dist = FakeDist(world=4, rank=3)
+    mpu = rt.TensorParallelGroups(dist, 2)
+    assert dist.groups == [[0, 1], [2, 3]] and mpu.get_model_parallel_group().ranks == [2, 3]
+    assert (mpu.get_model_parallel_world_size(), mpu.get_model_parallel_rank()) == (2, 1)
+    with pytest.raises(rt.PolicyError) as info:
+        rt.TensorParallelGroups(FakeDist(world=3), 2)
+    assert _one_line(info) == "world size 3 is not a multiple of tp_size 2"
+
+
+def test_reducer_no_grad_path_and_autograd_path():
+    dist = FakeDist()
+    group = FakeGroup([0, 1])
+    reducer = rt.CoalescedAllReduce(dist, group, 2)
+    with torch.no_grad():
+        reducer(torch.ones(3))
+    x = torch.ones(3, requires_grad=True)
+    y = reducer(x * 2)
+    y.backward(torch.full((3,), 5.0))
+    assert [(c[0], c[1]) for c in dist.calls] == [("inference_all_reduce", group), ("all_reduce", group)]
+    assert type(y.grad_fn).__name__ == "_AllReduceSumBackward" and torch.equal(x.grad, torch.full((3,), 10.0))
+
+
+def test_partial_row_layer_adds_its_bias_once():
+    dist = FakeDist()
+    linear = nn.Linear(4, 2)
+    layers = [FakeRow(linear, rank, 2, dist) for rank in (0, 1)]
+    for rank, layer in enumerate(layers):
+        rt.make_partial(layer, f"rank{rank}.w2", FakeRow)
+    x = torch.randn(3, 4)
+    total = layers[0](x[:, :2]) + layers[1](x[:, 2:])
+    torch.testing.assert_close(total, linear(x))
+    assert dist.calls == []  # no reduction of its own
+    with pytest.raises(rt.PolicyError) as info:
+        rt.make_partial(nn.Linear(2, 2), "moe.bank.0.w2", FakeRow)
+    assert _one_line(info).startswith("moe.bank.0.w2 is Linear, not sharded by deepspeed.init_inference")
+    bare = FakeRow(linear, 0, 2, dist)
+    del bare.tp_index
+    with pytest.raises(rt.PolicyError) as info:
+        rt.make_partial(bare, "moe.bank.0.w2", FakeRow)
+    assert _one_line(info).startswith("DeepSpeed's row-parallel layer moe.bank.0.w2 has no tp_index: unsupported")
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+
+def test_sizes_are_read_from_text_config_when_nested():
+    layout = FAMILIES["qwen2_moe"].policy_layout()
+    key = layout["tp_divisible"][0]
+    nested = types.SimpleNamespace(text_config=types.SimpleNamespace(**{key: 6}), **{key: 8})
+    with pytest.raises(rt.PolicyError) as info:
+        rt.check_sizes(nested, 4, layout)
+    assert _one_line(info) == f"tp_size 4 does not divide {key} = 6: pick a tp_size that divides it"
+    rt.check_sizes(types.SimpleNamespace(**{key: 8}), 4, layout)
+    with pytest.raises(rt.PolicyError) as info:
+        rt.check_sizes(types.SimpleNamespace(), True, layout)
+    assert _one_line(info) == "tp_size must be a positive integer, got True"
+
+
+def test_patched_family_and_module_are_checked():
+    model = _toy()
+    rt.check_patched(model, TOY, "toy_modeling_codegen")
+    with pytest.raises(rt.PolicyError) as info:
+        rt.check_patched(model, {**TOY, "family": "other"})
+    assert _one_line(info) == "model was patched for 'toy', this policy is for 'other': re-run patch"
+    with pytest.raises(rt.PolicyError) as info:
+        rt.check_patched(model, TOY, "modeling_elsewhere_codegen")
+    assert "this policy was written beside modeling_elsewhere_codegen.py" in _one_line(info)
+    with pytest.raises(rt.PolicyError) as info:
+        rt.check_patched(nn.Linear(1, 1), TOY)
+    assert _one_line(info).startswith("Linear was not loaded from a codegen-patched dir")
+
+
+def test_a_layout_missing_keys_is_refused():
+    with pytest.raises(rt.PolicyError) as info:
+        rt.shard_model(_toy(), 2, None, {}, {"family": "toy"}, "codegen_knob")
+    assert _one_line(info).startswith("the policy's layout lacks moe_classes, experts")
+
+
+# ----------------------------------------------------------------------------------------------- probe
+
+
+def test_probe_names_every_missing_touch_point_in_one_line():
+    dist = FakeDist()
+    ds = fake_deepspeed(dist)
+    ds.__name__ = "fake_deepspeed"
+    rt.probe_deepspeed(ds)  # complete: nothing raised
+    del ds.module_inject.layers.LinearAllreduce
+    del ds.comm.comm.cdb.shm_comm_op
+    ds.inference.config.DeepSpeedTPConfig.model_fields = {"tp_size": None, "mpu": None}
+    with pytest.raises(rt.PolicyError) as info:
+        rt.probe_deepspeed(ds)
+    assert _one_line(info) == (
+        "DeepSpeed 0.0-fake lacks what this policy relies on: deepspeed.comm.comm.cdb.shm_comm_op; "
+        "deepspeed.module_inject.layers.LinearAllreduce; init_inference(tensor_parallel={'tp_group': ...}) "
+        f"(supported: {rt.SUPPORTED_DEEPSPEED})")
+
+
+def test_the_installed_deepspeed_passes_the_probe_and_names_its_buffer_as_expected():
+    import deepspeed
+
+    assert rt.shm_naming_problems(os.path.dirname(deepspeed.__file__)) == []
+    missing = [n for n in ("LinearAllreduce", "LinearLayer") if not hasattr(deepspeed.module_inject.layers, n)]
+    assert missing == []
+
+
+def test_the_probe_reports_a_changed_buffer_naming(tmp_path):
+    import deepspeed
+
+    package = Path(deepspeed.__file__).parent
+    for parts in rt.SHM_SOURCES:
+        target = tmp_path.joinpath(*parts)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(package.joinpath(*parts).read_text())
+    assert rt.shm_naming_problems(str(tmp_path)) == []
+    shm = tmp_path.joinpath(*next(iter(rt.SHM_SOURCES)))
+    shm.write_text(shm.read_text().replace('"%s_%d_%s_%s"', '"%s_%s_%s_%d"'))
+    problems = rt.shm_naming_problems(str(tmp_path))
+    assert len(problems) == 1 and problems[0].startswith("ops/csrc/cpu/comm/shm.cpp: the buffer naming")
+    dist = FakeDist()
+    ds = fake_deepspeed(dist)
+    ds.__name__, ds.__file__ = "fake_deepspeed", str(tmp_path / "__init__.py")
+    with pytest.raises(rt.PolicyError) as info:
+        rt.probe_deepspeed(ds, shm_in_use=True)
+    assert "ops/csrc/cpu/comm/shm.cpp: the buffer naming" in _one_line(info)
+
+
+# ------------------------------------------------------------------------------------------ shared memory
+
+
+def _maps(*paths):
+    return "".join(f"7f00-7f10 rw-s 00000000 00:1a 123 {p}\n" for p in paths) + "7f20-7f30 r-xp 0 08:01 9 /usr/lib/x.so\n"
+
+
+def test_own_buffer_is_found_by_its_derived_name_or_the_naming_change_is_reported():
+    env = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29511"}
+    name = rt.shm_buffer_name(1, env)
+    assert name == f"deepspeed_allreduce_buffer_{os.getuid()}_10.0.0.1_29511_1"
+    own = f"/dev/shm/{name}"
+    other = f"/dev/shm/{rt.shm_buffer_name(0, env)}"
+    assert rt.own_shm_buffer(1, _maps(other, own), env) == own
+    assert rt.own_shm_buffer(1, _maps(), env) is None  # the shm path is not in use
+    assert rt.own_shm_buffer(1, _maps(own + " (deleted)"), env) is None
+    with pytest.raises(rt.PolicyError) as info:
+        rt.own_shm_buffer(1, _maps("/dev/shm/deepspeed_allreduce_buffer_v2_x_1"), env)
+    assert _one_line(info).startswith("DeepSpeed's shared-memory all-reduce maps /dev/shm/deepspeed_allreduce_buffer_v2")
+
+
+def test_remove_buffer_only_removes_the_file_it_recorded(tmp_path, monkeypatch):
+    monkeypatch.setattr(rt, "_REMOVING", {})
+    monkeypatch.setattr(rt, "chain_sigterm", lambda cleanup: True)
+    registered = []
+    monkeypatch.setattr(rt.atexit, "register", lambda fn, *a: registered.append((fn, a)))
+    path = tmp_path / "buffer"
+    path.write_bytes(b"x")
+    rt.remove_at_exit(str(path))
+    rt.remove_at_exit(str(path))  # once per path
+    assert registered == [(rt.remove_buffer, (str(path),))]
+    os.rename(path, tmp_path / "held")  # keeps the recorded inode in use
+    path.write_bytes(b"y")  # another job's file under the same name: a different inode
+    rt.remove_buffer(str(path))
+    assert path.exists()
+    rt._REMOVING[str(path)] = (path.stat().st_dev, path.stat().st_ino)
+    rt.remove_buffer(str(path))
+    assert not path.exists()
+    rt.remove_buffer(str(path))  # already gone: no error
+
+
+class FakeSignals:
+    SIGTERM, SIG_DFL, SIG_IGN = signal.SIGTERM, signal.SIG_DFL, signal.SIG_IGN
+
+    def __init__(self, current):
+        self.current, self.set = current, []
+
+    def getsignal(self, signum):
+        return self.current
+
+    def signal(self, signum, handler):
+        self.set.append(handler)
+        self.current = handler
+
+
+def test_sigterm_chains_to_an_existing_handler():
+    seen = []
+    signals = FakeSignals(lambda signum, frame: seen.append("previous"))
+    assert rt.chain_sigterm(lambda: seen.append("cleanup"), signals) is True
+    signals.current(signal.SIGTERM, None)
+    assert seen == ["cleanup", "previous"]
+
+
+def test_sigterm_left_alone_when_ignored_or_set_outside_python():
+    for current in (signal.SIG_IGN, None):
+        signals = FakeSignals(current)
+        assert rt.chain_sigterm(lambda: None, signals) is False and signals.set == []
+
+
+# ------------------------------------------------------------------------------------- the rendered file
+
+
+def test_rendered_policy_is_header_plus_runtime_and_records_its_sha256():
+    runtime = runtime_text()
+    for family in FAMILIES.values():
+        text = render_policy(family, "modeling_x")
+        header, embedded = split_policy(text)
+        assert text == render_header(family, "modeling_x", hashlib.sha256(runtime.encode()).hexdigest()) + runtime
+        assert embedded == runtime and header.endswith(SEPARATOR)
+        namespace = {}
+        exec(compile(header, "header", "exec"), namespace)
+        assert namespace["RUNTIME_SHA256"] == hashlib.sha256(embedded.encode()).hexdigest()
+        assert namespace["LAYOUT"] == family.policy_layout() and namespace["MODELING_MODULE"] == "modeling_x"
+
+
+def test_generated_policies_embed_the_runtime_verbatim():
+    runtime = runtime_text()
+    files = sorted(ROOT.glob("generated/**/autotp_policy.py"))
+    assert len(files) >= 3
+    for path in files:
+        header, embedded = split_policy(path.read_text(encoding="utf-8"))
+        recorded = re.search(r"^RUNTIME_SHA256 = '([0-9a-f]{64})'$", header, re.M).group(1)
+        assert embedded == runtime, f"{path}: regenerate (python -m codegen.upstream regenerate)"
+        assert recorded == hashlib.sha256(embedded.encode()).hexdigest()
+
+
+def test_the_runtime_is_self_contained_and_holds_no_family_name():
+    text = runtime_text()
+    tree = ast.parse(text)
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(node.module.split(".")[0])
+    assert imported - set(sys.stdlib_module_names) <= {"torch", "deepspeed", "transformers"}
+    assert "__future__" not in imported and len(text.splitlines()) >= 100
+    literals = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    for family in FAMILIES.values():
+        layout = family.policy_layout()
+        names = {layout["family"], layout["experts"], *layout["moe_classes"], *layout["shared"], *layout["routers"],
+                 *layout["attention_replicated"], *layout["tp_divisible"], *layout["per_expert"].values(),
+                 layout["fused"]["gate_up"], layout["fused"]["down"], layout["fused"]["size_attr"]}
+        schema = {*layout, *layout["per_expert"], *layout["fused"]}  # the layout's own keys, not family names
+        assert not literals & (names - schema), literals & (names - schema)
