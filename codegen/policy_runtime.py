@@ -529,15 +529,15 @@ def shm_buffer_name(rank, env=None, uid=None):
     return f"{SHM_PREFIX}_{uid}_{env.get('MASTER_ADDR', '')}_{env.get('MASTER_PORT', '')}_{rank}"
 
 
-def shm_paths_in_maps(text):
-    """The DeepSpeed shm buffers a /proc/<pid>/maps text maps (by path; unlinked ones excluded)."""
+def shm_paths_in_maps(text, directory=SHM_DIR):
+    """The DeepSpeed shm buffers in `directory` a /proc/<pid>/maps text maps (by path; unlinked ones excluded)."""
     found = set()
     for line in text.splitlines():
         fields = line.split(None, 5)
         if len(fields) == 6 and not fields[5].endswith(" (deleted)"):
-            path = fields[5]
-            if path.startswith(f"{SHM_DIR}/{SHM_PREFIX}_"):
-                found.add(path)
+            head, _, name = fields[5].rpartition("/")
+            if head == directory and name.startswith(f"{SHM_PREFIX}_"):
+                found.add(fields[5])
     return found
 
 
@@ -560,7 +560,7 @@ def own_shm_buffer(rank, maps=None, env=None):
         return None
     path = f"{SHM_DIR}/{shm_buffer_name(rank, env)}"
     if path not in mapped:
-        raise PolicyError(f"DeepSpeed's shared-memory all-reduce maps {sorted(mapped)[0]}, not {path} as this "
+        raise PolicyError(f"DeepSpeed's shared-memory all-reduce maps {min(mapped)}, not {path} as this "
                           f"policy derives its rank's buffer name: unsupported DeepSpeed, use {SUPPORTED_DEEPSPEED}")
     return path
 

@@ -15,6 +15,7 @@ import re
 import signal
 import sys
 import types
+import typing
 from pathlib import Path
 
 import pytest
@@ -132,7 +133,7 @@ def fake_deepspeed(dist, rows=("w2", "o")):
         return types.SimpleNamespace(module=model, mp_group=group)
 
     class TPConfig:
-        model_fields = {"tp_size": None, "mpu": None, "tp_group": None}
+        model_fields: typing.ClassVar[dict] = {"tp_size": None, "mpu": None, "tp_group": None}
 
     backend = types.SimpleNamespace(inference_all_reduce=lambda *a, **k: None, shm_comm_op=None)
     ds = types.ModuleType("fake_deepspeed")
@@ -269,7 +270,7 @@ def test_policy_on_two_simulated_ranks_sums_to_the_unsharded_output(with_fake_de
         expected = full.moe(x)
     partial = []
     for rank in (0, 1):
-        ds, dist = with_fake_deepspeed(world=2, rank=rank)
+        _, dist = with_fake_deepspeed(world=2, rank=rank)
         model = copy.deepcopy(full)
         routers = {r: getattr(model.moe, r) for r in TOY["routers"]}
         engine = rt.shard_model(model, 2, None, {}, TOY, "codegen_knob")
@@ -330,7 +331,7 @@ def test_every_family_fused_kind_has_a_sharder():
 
 
 def test_an_expert_deepspeed_left_unsharded_is_one_line_naming_it(with_fake_deepspeed):
-    ds, dist = with_fake_deepspeed()
+    ds, _ = with_fake_deepspeed()
     model = _toy()
     original = ds.init_inference
 
@@ -385,7 +386,7 @@ def test_routers_come_back_in_the_engine_dtype_and_a_changed_one_is_caught(with_
     assert "router" not in model.moe._modules and "kv_in" not in model.attn._modules
     model.to(torch.float64)
     rt.reattach(kept, torch.float64)
-    assert model.moe.router.weight.dtype == torch.float64 and list(model.moe._modules)[0] == "router"
+    assert model.moe.router.weight.dtype == torch.float64 and next(iter(model.moe._modules)) == "router"
     rt.check_replicated(kept)
     with torch.no_grad():
         model.moe.common_router.weight[0, 0] += 1
@@ -611,8 +612,8 @@ def test_rendered_policy_is_header_plus_runtime_and_records_its_sha256():
         header, embedded = split_policy(text)
         assert text == render_header(family, "modeling_x", hashlib.sha256(runtime.encode()).hexdigest()) + runtime
         assert embedded == runtime and header.endswith(SEPARATOR)
-        namespace = {}
-        exec(compile(header, "header", "exec"), namespace)
+        namespace = {node.targets[0].id: ast.literal_eval(node.value)
+                     for node in ast.parse(header).body if isinstance(node, ast.Assign)}
         assert namespace["RUNTIME_SHA256"] == hashlib.sha256(embedded.encode()).hexdigest()
         assert namespace["LAYOUT"] == family.policy_layout() and namespace["MODELING_MODULE"] == "modeling_x"
 
@@ -623,7 +624,7 @@ def test_generated_policies_embed_the_runtime_verbatim():
     assert len(files) >= 3
     for path in files:
         header, embedded = split_policy(path.read_text(encoding="utf-8"))
-        recorded = re.search(r"^RUNTIME_SHA256 = '([0-9a-f]{64})'$", header, re.M).group(1)
+        recorded = re.search(r"^RUNTIME_SHA256 = '([0-9a-f]{64})'$", header, re.MULTILINE).group(1)
         assert embedded == runtime, f"{path}: regenerate (python -m codegen.upstream regenerate)"
         assert recorded == hashlib.sha256(embedded.encode()).hexdigest()
 

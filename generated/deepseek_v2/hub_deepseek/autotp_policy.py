@@ -40,7 +40,7 @@ forward does not reduce. On CPU, each rank removes its own DeepSpeed shared-memo
 LAYOUT = {'family': 'deepseek_v2', 'moe_classes': ['DeepseekV2Moe', 'DeepseekV2MoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim'}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': ['q_a_proj', 'kv_a_proj_with_mqa'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size']}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_deepseek_codegen'
-RUNTIME_SHA256 = '071b8e3ecf200ffc59a52d60ddbc5588b1e81d7b5cc8e47c9ce9c30ac56fb508'
+RUNTIME_SHA256 = '4f05e0e0ef2b2ce0308b76abd0d2fbcbe72db694675de475a511193d915238e8'
 
 # ---- codegen/policy_runtime.py, verbatim ----
 """The AutoTP policy runtime: shard a codegen-patched MoE model with DeepSpeed and reduce once per MoE layer.
@@ -574,15 +574,15 @@ def shm_buffer_name(rank, env=None, uid=None):
     return f"{SHM_PREFIX}_{uid}_{env.get('MASTER_ADDR', '')}_{env.get('MASTER_PORT', '')}_{rank}"
 
 
-def shm_paths_in_maps(text):
-    """The DeepSpeed shm buffers a /proc/<pid>/maps text maps (by path; unlinked ones excluded)."""
+def shm_paths_in_maps(text, directory=SHM_DIR):
+    """The DeepSpeed shm buffers in `directory` a /proc/<pid>/maps text maps (by path; unlinked ones excluded)."""
     found = set()
     for line in text.splitlines():
         fields = line.split(None, 5)
         if len(fields) == 6 and not fields[5].endswith(" (deleted)"):
-            path = fields[5]
-            if path.startswith(f"{SHM_DIR}/{SHM_PREFIX}_"):
-                found.add(path)
+            head, _, name = fields[5].rpartition("/")
+            if head == directory and name.startswith(f"{SHM_PREFIX}_"):
+                found.add(fields[5])
     return found
 
 
@@ -605,7 +605,7 @@ def own_shm_buffer(rank, maps=None, env=None):
         return None
     path = f"{SHM_DIR}/{shm_buffer_name(rank, env)}"
     if path not in mapped:
-        raise PolicyError(f"DeepSpeed's shared-memory all-reduce maps {sorted(mapped)[0]}, not {path} as this "
+        raise PolicyError(f"DeepSpeed's shared-memory all-reduce maps {min(mapped)}, not {path} as this "
                           f"policy derives its rank's buffer name: unsupported DeepSpeed, use {SUPPORTED_DEEPSPEED}")
     return path
 
