@@ -62,6 +62,21 @@ class FusedExperts:
 
 
 @dataclass(frozen=True)
+class QuantizedForm:
+    """A quantized checkpoint form and the first transformers release whose loader fills a patched dir from it.
+
+    Older loaders recognise quantized experts by the built-in class (`isinstance`), so the patched class's
+    experts stay unloaded, without a missing key: the model would run on uninitialised memory.
+    """
+
+    quant_method: str
+    #: first release verified to load it into a patched dir exactly (dequantized experts equal the built-in's)
+    min_transformers: str
+    #: how to get an unquantized checkpoint of the same weights (quoted in the refusal)
+    dequantize_hint: str
+
+
+@dataclass(frozen=True)
 class Family:
     model_type: str
     #: the transformers module that ships the built-in implementation
@@ -100,9 +115,9 @@ class Family:
     attention_head_params: tuple[str, ...] = ()
     #: decoder-layer attributes that hold the MoE block, any generation (the first is the 5.x name)
     moe_block_attrs: tuple[str, ...] = ("mlp",)
-    #: `quantization_config.quant_method` values this family ships whose quantized experts `patch` refuses,
-    #: each with the one-line workaround (codegen.quantization)
-    refused_quantization: dict[str, str] = field(default_factory=dict)
+    #: quantized forms this family ships (`quantization_config.quant_method`) that a patched dir loads exactly only
+    #: from some transformers release on; `patch` refuses them below it (codegen.quantization)
+    quantized_forms: tuple[QuantizedForm, ...] = ()
     #: what the bench and README call the bench-sized example of this family
     bench_label: str = ""
     #: transformers releases whose source the regression matrix covers (also quoted in errors)
@@ -292,11 +307,14 @@ FAMILIES: dict[str, Family] = {
         positive_int_keys=(*_COMMON_SIZES, "num_local_experts", "intermediate_size", "head_dim"),
         tp_divisible_keys=("num_attention_heads", "num_key_value_heads", "intermediate_size"),
         attention_head_params=("sinks",),
-        refused_quantization={
-            "mxfp4": "its experts ship as MXFP4 blocks/scales, which codegen cannot shard yet: load it once with "
-                     "`quantization_config=Mxfp4Config(dequantize=True)`, `save_pretrained` it to a new dir and "
-                     "patch that dir",
-        },
+        quantized_forms=(
+            QuantizedForm(
+                quant_method="mxfp4",
+                min_transformers="5.24.0",
+                dequantize_hint="`from_pretrained(dir, quantization_config=Mxfp4Config(dequantize=True))`, "
+                                "`save_pretrained` to a new dir and patch that dir",
+            ),
+        ),
         bench_label="gpt-oss-20b-like",
         known_good=("4.55.4", "4.57.6", "5.0.0", "5.24.0"),
     ),
