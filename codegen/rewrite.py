@@ -257,13 +257,15 @@ def _binds(node: cst.CSTNode, name: str) -> bool:
     target = m.Name(name)
     return bool(
         m.findall(node, m.AssignTarget(target=target))
-        or m.findall(node, m.AssignTarget(target=m.Tuple(elements=[m.ZeroOrMore(), m.Element(value=target), m.ZeroOrMore()])))
+        or m.findall(node, m.AssignTarget(target=m.Tuple(elements=[m.ZeroOrMore(), m.Element(target), m.ZeroOrMore()])))
         or m.findall(node, m.AugAssign(target=target) | m.AnnAssign(target=target) | m.For(target=target))
         or m.findall(node, m.AsName(name=target))
     )
 
 
-def _require_bound_after(body: list[cst.BaseStatement], anchor: _Anchor, target: RewriteTarget, class_name: str) -> None:
+def _require_bound_after(
+    body: list[cst.BaseStatement], anchor: _Anchor, target: RewriteTarget, class_name: str
+) -> None:
     """A sum inside one branch of an `if` is reduced after the whole `if`: every path must bind the tensor.
 
     `if c: y = y + s` is fine when `y` was bound before the `if`; `if c: y = r + s` / `else: y = r` too.
@@ -477,7 +479,8 @@ class WrapReturnedSum(cst.CSTTransformer):
 
 
 def _reduced(expr: cst.BaseExpression) -> cst.Call:
-    return cst.Call(func=cst.Name(HELPER), args=[cst.Arg(cst.Name("self")), cst.Arg(expr.with_changes(lpar=[], rpar=[]))])
+    bare = expr.with_changes(lpar=[], rpar=[])
+    return cst.Call(func=cst.Name(HELPER), args=[cst.Arg(cst.Name("self")), cst.Arg(bare)])
 
 
 class AbsolutizeImports(cst.CSTTransformer):

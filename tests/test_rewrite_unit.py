@@ -294,7 +294,8 @@ def test_routed_final_4x_reduces_after_the_per_expert_loop_before_the_reshape():
     [
         ("        return self.experts(x)\n", "no recognisable routed experts output"),
         ("        y = self.experts(x)\n        z = self.experts(y)\n        return z\n", "2 times"),
-        ("        if x is None:\n            return x\n        y = self.experts(x)\n        return y\n", "returns at line"),
+        ("        if x is None:\n            return x\n        y = self.experts(x)\n        return y\n",
+         "returns at line"),
     ],
     ids=["no-assignment", "two-outputs", "early-return"],
 )
@@ -410,7 +411,8 @@ def test_wrapped_return_passes_the_safety_check_and_other_edits_do_not():
 
     target = _anchor_target(_family_with(ANCHOR_RETURNED_SUM))
     original = "def f(self, a, b):\n    return a + b\n"
-    check_only_intended_changes(original, "def f(self, a, b):\n    return _codegen_moe_all_reduce(self, a + b)\n", target)
+    wrapped = "def f(self, a, b):\n    return _codegen_moe_all_reduce(self, a + b)\n"
+    check_only_intended_changes(original, wrapped, target)
     with pytest.raises(BadSource, match="changed more than intended"):
         check_only_intended_changes(original, "def f(self, a, b):\n    return _codegen_moe_all_reduce(self, a - b)\n",
                                     target)
