@@ -23,6 +23,36 @@ SHAPES: dict[str, dict[str, dict]] = {
             qk_nope_head_dim=16, first_k_dense_replace=1, max_position_embeddings=256, topk_method="greedy",
             n_group=1, topk_group=1, tie_word_embeddings=False,
         ),
+        # TP=2 divides heads, kv heads and every intermediate size; dense-first where the family has it
+        "qwen3_moe": dict(
+            vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+            max_position_embeddings=256, tie_word_embeddings=False,
+        ),
+        "mixtral": dict(
+            vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=256,
+            tie_word_embeddings=False,
+        ),
+        "deepseek_v3": dict(
+            vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
+            num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16,
+            qk_nope_head_dim=16, first_k_dense_replace=1, n_group=2, topk_group=1, max_position_embeddings=256,
+            tie_word_embeddings=False,
+        ),
+        "glm4_moe": dict(
+            vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=8, n_shared_experts=1,
+            num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=256,
+            tie_word_embeddings=False,
+        ),
+        "gpt_oss": dict(
+            vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+            layer_types=["sliding_attention", "full_attention"], sliding_window=8, max_position_embeddings=256,
+            tie_word_embeddings=False,
+        ),
     },
     # Qwen1.5-MoE-A2.7B and DeepSeek-V2-Lite routing, scaled down (hidden >= 512, >= 4 layers)
     "bench": {

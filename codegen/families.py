@@ -17,10 +17,22 @@ KNOB = "codegen_coalesce_moe_all_reduce"
 #: Anchor kinds (codegen.rewrite): where the one reduction goes in the MoE block's forward.
 #: "shared_sum": after the statement that adds the shared expert output to the routed experts' sum.
 ANCHOR_SHARED_SUM = "shared_sum"
+#: "routed_final": no shared expert, the routed experts' output is the block's output: after the statement
+#: that completes it (transformers 5.x: `T = self.<experts>(...)`; 4.x: the per-expert loop accumulating
+#: into `T` with `index_add_`), before any reshape and the return.
+ANCHOR_ROUTED_FINAL = "routed_final"
+#: "returned_sum": the routed + shared sum is built inside the `return` (`return routed + shared`): the
+#: returned sum itself is reduced, `return _codegen_moe_all_reduce(self, routed + shared)`.
+ANCHOR_RETURNED_SUM = "returned_sum"
 
 #: Fused (transformers 5.x) expert layouts (codegen.policy_runtime shards each one).
 #: "gate_up_rows": gate_up [E, 2I, H], gate rows then up rows; down [E, H, I].
 FUSED_GATE_UP_ROWS = "gate_up_rows"
+#: "gate_up_interleaved_cols": transposed, gate_up [E, H, 2I] with gate/up interleaved along the last dim
+#: (gate = [..., ::2], up = [..., 1::2]; a rank keeps whole gate/up pairs); down [E, I, H] (shard dim 1);
+#: optional biases gate_up_bias [E, 2I] (interleaved like the columns: shard with them) and down_bias [E, H]
+#: (added inside every expert before the weighting: it must count once over the ranks, not once per rank).
+FUSED_GATE_UP_INTERLEAVED_COLS = "gate_up_interleaved_cols"
 
 
 @dataclass(frozen=True)
@@ -41,6 +53,29 @@ class FusedExperts:
     down: str = "down_proj"
     #: attribute holding the per-expert intermediate size, which the policy sets to its shard
     size_attr: str = "intermediate_dim"
+    #: expert bias Parameters of the layout ("" = none); the rewriter requires every named one to detect it
+    gate_up_bias: str = ""
+    down_bias: str = ""
+
+    @property
+    def parameters(self) -> tuple[str, ...]:
+        """Every Parameter the layout names: together they identify fused experts in a source."""
+        return tuple(n for n in (self.gate_up, self.down, self.gate_up_bias, self.down_bias) if n)
+
+
+@dataclass(frozen=True)
+class QuantizedForm:
+    """A quantized checkpoint form and the first transformers release whose loader fills a patched dir from it.
+
+    Older loaders recognise quantized experts by the built-in class (`isinstance`), so the patched class's
+    experts stay unloaded, without a missing key: the model would run on uninitialised memory.
+    """
+
+    quant_method: str
+    #: first release verified to load it into a patched dir exactly (dequantized experts equal the built-in's)
+    min_transformers: str
+    #: how to get an unquantized checkpoint of the same weights (quoted in the refusal)
+    dequantize_hint: str
 
 
 @dataclass(frozen=True)
@@ -78,6 +113,13 @@ class Family:
     tp_divisible_keys: tuple[str, ...]
     #: attention projections that must stay replicated (MLA low-rank inputs)
     attention_replicated: tuple[str, ...] = ()
+    #: attention Parameters holding one value per attention head (e.g. sinks): sharded with the heads
+    attention_head_params: tuple[str, ...] = ()
+    #: decoder-layer attributes that hold the MoE block, any generation (the first is the 5.x name)
+    moe_block_attrs: tuple[str, ...] = ("mlp",)
+    #: quantized forms this family ships (`quantization_config.quant_method`) that a patched dir loads exactly only
+    #: from some transformers release on; `patch` refuses them below it (codegen.quantization)
+    quantized_forms: tuple[QuantizedForm, ...] = ()
     #: what the bench and README call the bench-sized example of this family
     bench_label: str = ""
     #: transformers releases whose source the regression matrix covers (also quoted in errors)
@@ -103,10 +145,13 @@ class Family:
             "experts": self.experts_attr,
             "per_expert": {"gate": self.per_expert.gate, "up": self.per_expert.up, "down": self.per_expert.down},
             "fused": {"kind": self.fused.kind, "gate_up": self.fused.gate_up, "down": self.fused.down,
-                      "size_attr": self.fused.size_attr},
+                      "size_attr": self.fused.size_attr,
+                      "gate_up_bias": self.fused.gate_up_bias, "down_bias": self.fused.down_bias},
             "shared": list(self.shared_experts),
             "routers": list(self.routers),
             "attention_replicated": list(self.attention_replicated),
+            "attention_head_params": list(self.attention_head_params),
+            "moe_block_attrs": list(self.moe_block_attrs),
             "tp_divisible": list(self.tp_divisible_keys),
         }
 
@@ -134,7 +179,7 @@ FAMILIES: dict[str, Family] = {
         tp_divisible_keys=("num_attention_heads", "num_key_value_heads", "moe_intermediate_size",
                            "shared_expert_intermediate_size", "intermediate_size"),
         bench_label="Qwen1.5-MoE-A2.7B-like",
-        known_good=("4.45.2", "4.51.3", "4.57.6", "5.0.0", "5.24.0"),
+        known_good=("4.45.2", "4.51.3", "4.54.1", "4.55.4", "4.57.6", "5.0.0", "5.24.0"),
     ),
     "deepseek_v2": Family(
         model_type="deepseek_v2",
@@ -156,8 +201,125 @@ FAMILIES: dict[str, Family] = {
                            "intermediate_size"),
         attention_replicated=("q_a_proj", "kv_a_proj_with_mqa"),
         bench_label="DeepSeek-V2-Lite-like",
-        known_good=("4.57.6", "5.0.0", "5.24.0", "hub remote code (modeling_deepseek.py)"),
+        known_good=("4.54.1", "4.55.4", "4.57.6", "5.0.0", "5.24.0", "hub remote code (modeling_deepseek.py)"),
         remote_code_fixtures=("hub_deepseek",),
+    ),
+    "qwen3_moe": Family(
+        model_type="qwen3_moe",
+        builtin_module="transformers.models.qwen3_moe.modeling_qwen3_moe",
+        config_class="Qwen3MoeConfig",
+        moe_classes=("Qwen3MoeSparseMoeBlock",),
+        experts_attr="experts",
+        per_expert=PerExpertMLP(),
+        fused=FusedExperts(),
+        shared_experts=(),
+        routers=("gate",),
+        anchor=ANCHOR_ROUTED_FINAL,
+        pretrained_class_suffix="PreTrainedModel",
+        auto_classes={"AutoModelForCausalLM": "Qwen3MoeForCausalLM", "AutoModel": "Qwen3MoeModel"},
+        # 4.x writes num_experts; 5.x writes num_local_experts
+        num_experts_keys=("num_experts", "num_local_experts"),
+        top_k_keys=("num_experts_per_tok",),
+        positive_int_keys=(*_COMMON_SIZES, "num_experts", "num_local_experts", "head_dim"),
+        tp_divisible_keys=("num_attention_heads", "num_key_value_heads", "moe_intermediate_size",
+                           "intermediate_size"),
+        bench_label="Qwen3-30B-A3B-like",
+        known_good=("4.51.3", "4.54.1", "4.55.4", "4.57.6", "5.0.0", "5.24.0"),
+    ),
+    "mixtral": Family(
+        model_type="mixtral",
+        builtin_module="transformers.models.mixtral.modeling_mixtral",
+        config_class="MixtralConfig",
+        moe_classes=("MixtralSparseMoeBlock",),
+        experts_attr="experts",
+        per_expert=PerExpertMLP(gate="w1", up="w3", down="w2"),
+        fused=FusedExperts(),
+        shared_experts=(),
+        routers=("gate",),
+        anchor=ANCHOR_ROUTED_FINAL,
+        pretrained_class_suffix="PreTrainedModel",
+        auto_classes={"AutoModelForCausalLM": "MixtralForCausalLM", "AutoModel": "MixtralModel"},
+        num_experts_keys=("num_local_experts",),
+        top_k_keys=("num_experts_per_tok",),
+        positive_int_keys=(*_COMMON_SIZES, "num_local_experts", "intermediate_size"),
+        tp_divisible_keys=("num_attention_heads", "num_key_value_heads", "intermediate_size"),
+        moe_block_attrs=("mlp", "block_sparse_moe"),
+        bench_label="Mixtral-8x7B-like",
+        known_good=("4.36.2", "4.45.2", "4.51.3", "4.54.1", "4.55.4", "4.57.6", "5.0.0", "5.24.0"),
+    ),
+    "deepseek_v3": Family(
+        model_type="deepseek_v3",
+        builtin_module="transformers.models.deepseek_v3.modeling_deepseek_v3",
+        config_class="DeepseekV3Config",
+        moe_classes=("DeepseekV3MoE",),
+        experts_attr="experts",
+        per_expert=PerExpertMLP(),
+        fused=FusedExperts(),
+        shared_experts=("shared_experts",),
+        routers=("gate",),
+        anchor=ANCHOR_SHARED_SUM,
+        pretrained_class_suffix="PreTrainedModel",
+        auto_classes={"AutoModelForCausalLM": "DeepseekV3ForCausalLM", "AutoModel": "DeepseekV3Model"},
+        num_experts_keys=("n_routed_experts",),
+        top_k_keys=("num_experts_per_tok",),
+        positive_int_keys=(*_COMMON_SIZES, "n_routed_experts", "n_group", "topk_group"),
+        tp_divisible_keys=("num_attention_heads", "num_key_value_heads", "moe_intermediate_size",
+                           "intermediate_size"),
+        attention_replicated=("q_a_proj", "kv_a_proj_with_mqa"),
+        bench_label="DeepSeek-V3-like",
+        known_good=("4.51.3", "4.54.1", "4.55.4", "4.57.6", "5.0.0", "5.24.0"),
+    ),
+    "glm4_moe": Family(
+        model_type="glm4_moe",
+        builtin_module="transformers.models.glm4_moe.modeling_glm4_moe",
+        config_class="Glm4MoeConfig",
+        moe_classes=("Glm4MoeMoE",),
+        experts_attr="experts",
+        per_expert=PerExpertMLP(),
+        fused=FusedExperts(),
+        shared_experts=("shared_experts",),
+        routers=("gate",),
+        anchor=ANCHOR_SHARED_SUM,
+        pretrained_class_suffix="PreTrainedModel",
+        auto_classes={"AutoModelForCausalLM": "Glm4MoeForCausalLM", "AutoModel": "Glm4MoeModel"},
+        num_experts_keys=("n_routed_experts",),
+        top_k_keys=("num_experts_per_tok",),
+        positive_int_keys=(*_COMMON_SIZES, "n_routed_experts", "n_group", "topk_group", "head_dim"),
+        tp_divisible_keys=("num_attention_heads", "num_key_value_heads", "moe_intermediate_size",
+                           "intermediate_size"),
+        bench_label="GLM-4.5-Air-like",
+        known_good=("4.54.1", "4.55.4", "4.57.6", "5.0.0", "5.24.0"),
+    ),
+    "gpt_oss": Family(
+        model_type="gpt_oss",
+        builtin_module="transformers.models.gpt_oss.modeling_gpt_oss",
+        config_class="GptOssConfig",
+        moe_classes=("GptOssMLP",),
+        experts_attr="experts",
+        # every generation ships fused experts (4.x too): the per-expert names are never looked up
+        per_expert=PerExpertMLP(),
+        fused=FusedExperts(kind=FUSED_GATE_UP_INTERLEAVED_COLS, gate_up_bias="gate_up_proj_bias",
+                           down_bias="down_proj_bias"),
+        shared_experts=(),
+        routers=("router",),
+        anchor=ANCHOR_ROUTED_FINAL,
+        pretrained_class_suffix="PreTrainedModel",
+        auto_classes={"AutoModelForCausalLM": "GptOssForCausalLM", "AutoModel": "GptOssModel"},
+        num_experts_keys=("num_local_experts",),
+        top_k_keys=("num_experts_per_tok",),
+        positive_int_keys=(*_COMMON_SIZES, "num_local_experts", "intermediate_size", "head_dim"),
+        tp_divisible_keys=("num_attention_heads", "num_key_value_heads", "intermediate_size"),
+        attention_head_params=("sinks",),
+        quantized_forms=(
+            QuantizedForm(
+                quant_method="mxfp4",
+                min_transformers="5.24.0",
+                dequantize_hint="`from_pretrained(dir, quantization_config=Mxfp4Config(dequantize=True))`, "
+                                "`save_pretrained` to a new dir and patch that dir",
+            ),
+        ),
+        bench_label="gpt-oss-20b-like",
+        known_good=("4.55.4", "4.57.6", "5.0.0", "5.24.0"),
     ),
 }
 
@@ -177,4 +339,4 @@ def moe_class_names() -> frozenset[str]:
 
 def fused_attr_names() -> frozenset[str]:
     """Every fused-expert Parameter name of every family (the harness reports them as sharded weights)."""
-    return frozenset(n for f in FAMILIES.values() for n in (f.fused.gate_up, f.fused.down))
+    return frozenset(n for f in FAMILIES.values() for n in f.fused.parameters)

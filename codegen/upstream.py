@@ -40,8 +40,11 @@ REGENERATE = "python -m codegen.upstream regenerate"
 
 #: Pinned transformers releases: version -> sha256 of `transformers-<version>-py3-none-any.whl` on PyPI.
 RELEASES: dict[str, str] = {
+    "4.36.2": "462066c4f74ee52516f12890dcc9ec71d1a5e97998db621668455117a54330f6",  # first with mixtral
     "4.45.2": "c551b33660cfc815bae1f9f097ecfd1e65be623f13c6ee0dda372bd881460210",
-    "4.51.3": "fd3279633ceb2b777013234bbf0b4f5c2d23c4626b05497691f00cfda55e8a83",
+    "4.51.3": "fd3279633ceb2b777013234bbf0b4f5c2d23c4626b05497691f00cfda55e8a83",  # first with qwen3_moe, deepseek_v3
+    "4.54.1": "c89965a4f62a0d07009d45927a9c6372848a02ab9ead9c318c3d082708bab529",  # first with glm4_moe
+    "4.55.4": "df28f3849665faba4af5106f0db4510323277c4bb595055340544f7e59d06458",  # first with gpt_oss
     "4.57.6": "4c9e9de11333ddfe5114bc872c9f370509198acf0b87a832a0ab9458e2bd0550",
     "5.0.0": "587086f249ce64c817213cf36afdb318d087f790723e9b3d4500b97832afd52d",
     "5.24.0": "ff5ebedf9359f94bb63772b6380eba6e7104d010cbbb2cb82c788817ea7486f6",  # latest 5.x, the pinned one

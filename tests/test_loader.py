@@ -62,3 +62,142 @@ def test_policy_module_imports_and_names_its_gates(make_dir):
     assert set(policy.REPLICATED) == {"mlp.gate", "mlp.shared_expert_gate"}
     assert callable(policy.init_inference)
     assert json.loads((d / "config.json").read_text())[policy.KNOB] is True
+
+
+#: families whose tiny checkpoints come straight from codegen.examples.SHAPES (the table's config class)
+NEW_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss")
+
+
+@pytest.fixture(scope="module")
+def _family_templates(tmp_path_factory):
+    """One tiny hub-format checkpoint per family, saved by the installed transformers (its own format)."""
+    import transformers
+
+    from codegen.examples import SHAPES
+    from codegen.families import FAMILIES
+
+    base = tmp_path_factory.mktemp("family-templates")
+    built = {}
+    for name in NEW_FAMILIES:
+        config = getattr(transformers, FAMILIES[name].config_class)(**SHAPES["tiny"][name])
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.normal_(0, 0.05)  # non-trivial routers, experts and expert biases
+        model.save_pretrained(base / name)
+        built[name] = base / name
+    return built
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_new_family_patched_dir_loads_every_tensor_with_identical_logits(_family_templates, tmp_path, family):
+    """Per family of the table: 0 missing/unexpected keys, identical parameters, logits diff 0.0, same tokens."""
+    import shutil
+
+    pristine = shutil.copytree(_family_templates[family], tmp_path / "pristine")
+    patched = shutil.copytree(_family_templates[family], tmp_path / "patched")
+    done = run_codegen("patch", patched)
+    assert done.returncode == 0, done.stderr
+
+    reference, _ = _load(pristine, remote=False)
+    model, info = _load(patched, remote=True)
+    reference.eval()
+    model.eval()
+    assert "transformers_modules" in type(model).__module__
+    for key in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        assert not info.get(key), (key, info.get(key))
+    ref_state = reference.state_dict()
+    state = model.state_dict()
+    assert state.keys() == ref_state.keys()
+    for name, tensor in state.items():
+        assert torch.equal(tensor, ref_state[name]), name
+
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (model(ids).logits - reference(ids).logits).abs().max().item()
+        tokens = model.generate(ids[:1], max_new_tokens=8, do_sample=False)
+        ref_tokens = reference.generate(ids[:1], max_new_tokens=8, do_sample=False)
+    assert diff == 0.0
+    assert torch.equal(tokens, ref_tokens)
+
+
+def _quantize_experts_mxfp4(directory, form) -> None:
+    """Rewrite a saved tiny checkpoint's fused experts as MXFP4 `*_blocks`/`*_scales`, as gpt-oss ships them.
+
+    Random FP4 codes and power-of-two scales: whatever weights they encode, pristine and patched dir read the
+    same bytes. Layout (transformers' MXFP4 format): blocks [E, rows, cols/32, 16] uint8, scales [E, rows, cols/32].
+    """
+    from safetensors.torch import load_file, save_file
+
+    from codegen.families import FAMILIES
+
+    layout = FAMILIES["gpt_oss"].fused
+    path = directory / "model.safetensors"
+    state = load_file(path)
+    codes = torch.Generator().manual_seed(3)
+    for key in [k for k in state if k.rsplit(".", 1)[-1] in (layout.gate_up, layout.down)]:
+        experts, cols, rows = state.pop(key).shape  # stored [E, in, out]; MXFP4 packs along `in`
+        state[f"{key}_blocks"] = torch.randint(0, 256, (experts, rows, cols // 32, 16), dtype=torch.uint8,
+                                               generator=codes)
+        state[f"{key}_scales"] = torch.randint(120, 126, (experts, rows, cols // 32), dtype=torch.uint8,
+                                               generator=codes)
+    save_file(state, path, metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": form.quant_method}
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def test_gpt_oss_mxfp4_experts_load_dequantized_exactly_or_are_refused(_family_templates, tmp_path):
+    """transformers 5.x dequantizes MXFP4 experts into the patched class exactly as into the built-in one;
+    where the installed release cannot (4.x leaves them unloaded), codegen.quantization refuses the form."""
+    import shutil
+
+    import transformers
+
+    from codegen.errors import BadInput
+    from codegen.families import FAMILIES
+    from codegen.quantization import refuse_unsupported_quantization
+    from codegen.source import installed_transformers_version
+
+    family = FAMILIES["gpt_oss"]
+    (form,) = family.quantized_forms
+    pristine = shutil.copytree(_family_templates["gpt_oss"], tmp_path / "pristine")
+    _quantize_experts_mxfp4(pristine, form)
+    config = json.loads((pristine / "config.json").read_text())
+    version = installed_transformers_version()
+    try:
+        refuse_unsupported_quantization(config, family, version, pristine / "config.json")
+    except BadInput as exc:  # below the form's release: refused, in one line
+        from packaging.version import Version
+
+        assert Version(version) < Version(form.min_transformers)
+        assert "\n" not in exc.message and form.min_transformers in exc.message
+        return
+
+    patched = shutil.copytree(pristine, tmp_path / "patched")
+    done = run_codegen("patch", patched)
+    assert done.returncode == 0, done.stderr
+    reference, _ = _load(pristine, remote=False)
+    model, info = _load(patched, remote=True)
+    assert "transformers_modules" in type(model).__module__
+    for key in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        assert not info.get(key), (key, info.get(key))
+    from safetensors.torch import load_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    state = load_file(pristine / "model.safetensors")
+    for index, layer in enumerate(model.model.layers):
+        for name in (family.fused.gate_up, family.fused.down):
+            block = family.moe_block_attrs[0]
+            prefix = f"model.layers.{index}.{block}.{family.experts_attr}.{name}"
+            expected = convert_moe_packed_tensors(state[f"{prefix}_blocks"], state[f"{prefix}_scales"],
+                                                  dtype=torch.float32)
+            assert torch.equal(getattr(getattr(getattr(layer, block), family.experts_attr), name), expected), prefix
+    ref_state = reference.state_dict()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, ref_state[name]), name
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (model(ids).logits - reference(ids).logits).abs().max().item() == 0.0
+    assert transformers.__version__ == version

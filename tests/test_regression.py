@@ -20,10 +20,10 @@ import pytest
 
 from codegen import upstream
 from codegen.errors import BadSource
-from codegen.families import FAMILIES
+from codegen.families import ANCHOR_RETURNED_SUM, ANCHOR_ROUTED_FINAL, FAMILIES
 from codegen.modeldir import ModelDir
 from codegen.plan import POLICY, make_plan, render_helper_block
-from codegen.rewrite import HELPER, rewrite_source
+from codegen.rewrite import HELPER, REDUCTION_COMMENT, ROUTED_REDUCTION_COMMENT, rewrite_source
 from codegen.upstream import MATRIX, RELEASES, REGENERATE, Entry
 
 pytestmark = pytest.mark.regression
@@ -164,8 +164,29 @@ def _is_sum_into(node: ast.AST, var: str, source: str) -> bool:
     return into and "shared" in (ast.get_source_segment(source, node) or "")
 
 
+def _completes_routed_output(node: ast.stmt, var: str, experts: str) -> bool:
+    """`var = ...self.<experts>(...)...`, or a loop over the experts accumulating into `var` in place."""
+    def calls_experts(tree: ast.AST) -> bool:
+        return any(
+            isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == experts
+            and isinstance(n.func.value, ast.Name) and n.func.value.id == "self" for n in ast.walk(tree)
+        )
+
+    if isinstance(node, ast.Assign):
+        return [ast.unparse(t) for t in node.targets] == [var] and calls_experts(node.value)
+    if isinstance(node, (ast.For, ast.While)):
+        mentions = any(isinstance(n, ast.Attribute) and n.attr == experts for n in ast.walk(node))
+        accumulates = any(
+            isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "index_add_"
+            and ast.unparse(n.func.value) == var for n in ast.walk(node)
+        )
+        return mentions and accumulates
+    return False
+
+
 @pytest.mark.parametrize("entry", MATRIX, ids=IDS)
 def test_patched_source_compiles_and_reduces_once_after_the_sum(entry: Entry) -> None:
+    """Exactly one reduction, where the family's anchor kind says: after the sum, or after the routed output."""
     result = _result(entry)
     family = FAMILIES[entry.family]
     patched = result.patched
@@ -185,17 +206,30 @@ def test_patched_source_compiles_and_reduces_once_after_the_sum(entry: Entry) ->
     assert index, f"the reduction is not in {moe.name}.forward"
     i = index[0]
     reduction = body[i]
+    if family.anchor == ANCHOR_RETURNED_SUM:  # `return _codegen_moe_all_reduce(self, routed + shared)`, last
+        assert isinstance(reduction, ast.Return) and i == len(body) - 1
+        assert isinstance(call.args[1], ast.BinOp) and isinstance(call.args[1].op, ast.Add)
+        assert patched.splitlines()[reduction.lineno - 2].strip() == REDUCTION_COMMENT
+        return
     assert isinstance(reduction, ast.Assign) and reduction.value is call, "the reduction is not its own statement"
     var = reduction.targets[0].id
     assert isinstance(call.args[1], ast.Name) and call.args[1].id == var, "the reduction must rebind its input"
-    assert i > 0 and any(_is_sum_into(n, var, patched) for n in ast.walk(body[i - 1])), (
-        f"the statement before the reduction in {moe.name}.forward is not the routed + shared sum into {var}:\n"
-        + (ast.get_source_segment(patched, body[i - 1]) or "")
-    )
-    # the only line between the sum and the reduction is codegen's comment
+    if family.anchor == ANCHOR_ROUTED_FINAL:
+        assert i > 0 and _completes_routed_output(body[i - 1], var, family.experts_attr), (
+            f"the statement before the reduction in {moe.name}.forward does not complete the routed output {var}:\n"
+            + (ast.get_source_segment(patched, body[i - 1]) or "")
+        )
+        comment = ROUTED_REDUCTION_COMMENT
+    else:
+        assert i > 0 and any(_is_sum_into(n, var, patched) for n in ast.walk(body[i - 1])), (
+            f"the statement before the reduction in {moe.name}.forward is not the routed + shared sum into {var}:\n"
+            + (ast.get_source_segment(patched, body[i - 1]) or "")
+        )
+        comment = REDUCTION_COMMENT
+    # the only line between the anchor statement and the reduction is codegen's comment
     sum_end = body[i - 1].end_lineno
     between = patched.splitlines()[sum_end : reduction.lineno - 1]
-    assert [ln.strip() for ln in between] == ["# codegen: one all-reduce per MoE layer covers routed + shared experts"]
+    assert [ln.strip() for ln in between] == [comment]
     assert result.rewrite.reduced_variable == var
 
 
@@ -224,11 +258,37 @@ def _major(entry: Entry) -> int | None:
     return int(entry.release.split(".")[0]) if entry.release else None
 
 
+def _defines_fused_layout(tree: ast.Module, family) -> bool:
+    """Independently of the rewriter: the class the MoE block builds as its experts assigns every Parameter
+    of the family's fused layout."""
+    moe = _class(tree, family.moe_classes)
+    built = {
+        n.value.func.id for n in ast.walk(moe)
+        if isinstance(n, ast.Assign) and [ast.unparse(t) for t in n.targets] == [f"self.{family.experts_attr}"]
+        and isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Name)
+    }
+    for cls in tree.body:
+        if isinstance(cls, ast.ClassDef) and cls.name in built:
+            params = {
+                t.attr for n in ast.walk(cls) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
+                and ast.unparse(n.value.func).endswith("Parameter") for t in n.targets if isinstance(t, ast.Attribute)
+            }
+            if set(family.fused.parameters) <= params:
+                return True
+    return False
+
+
 @pytest.mark.parametrize("entry", MATRIX, ids=IDS)
-def test_native_loading_declared_for_5x_only(entry: Entry) -> None:
+def test_native_loading_declared_for_fused_experts_only(entry: Entry) -> None:
+    """Every 5.x source fuses its experts (and gpt_oss fuses them in 4.x too, where the method is inert:
+    4.x never calls `is_custom_code`); per-expert sources must not get the declaration."""
     result = _result(entry)
     tree = ast.parse(result.patched)
     family = FAMILIES[entry.family]
+    fused = _defines_fused_layout(ast.parse(result.original), family)
+    assert fused == result.rewrite.fused_experts
+    if _major(entry) is not None and _major(entry) >= 5:
+        assert fused, f"{entry.id}: a transformers 5.x source without the family's fused layout"
     bases = [
         c for c in tree.body
         if isinstance(c, ast.ClassDef) and c.name.endswith(family.pretrained_class_suffix)
@@ -236,7 +296,7 @@ def test_native_loading_declared_for_5x_only(entry: Entry) -> None:
     ]
     assert len(bases) == 1, f"{entry.id}: {len(bases)} *PreTrainedModel base classes"
     methods = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "is_custom_code"]
-    if _major(entry) is not None and _major(entry) >= 5:
+    if fused:
         own = [n for n in bases[0].body if isinstance(n, ast.FunctionDef) and n.name == "is_custom_code"]
         assert len(own) == 1 and methods == own, f"{entry.id}: is_custom_code must be on {bases[0].name} only"
         method = own[0]
@@ -244,7 +304,7 @@ def test_native_loading_declared_for_5x_only(entry: Entry) -> None:
         returns = [n for n in ast.walk(method) if isinstance(n, ast.Return)]
         assert len(returns) == 1 and isinstance(returns[0].value, ast.Constant) and returns[0].value.value is False
     else:
-        assert not methods, f"{entry.id}: a transformers 4.x source must not get is_custom_code"
+        assert not methods, f"{entry.id}: a per-expert source must not get is_custom_code"
 
 
 @pytest.mark.parametrize("entry", MATRIX, ids=IDS)

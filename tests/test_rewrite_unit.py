@@ -173,13 +173,18 @@ def test_native_loading_override_is_added_to_the_pretrained_base_only():
 
 
 def test_fused_experts_source_gets_the_native_loading_override():
-    before = QWEN_BEFORE + _dedent(
+    before = QWEN_BEFORE.replace(
+        "class Qwen2MoeSparseMoeBlock(torch.nn.Module):\n",
+        "class Qwen2MoeSparseMoeBlock(torch.nn.Module):\n    def __init__(self, config):\n"
+        "        self.experts = Qwen2MoeExperts(config)\n\n",
+    ) + _dedent(
         """
 
 
         class Qwen2MoeExperts(nn.Module):
             def __init__(self, config):
                 self.gate_up_proj = nn.Parameter(torch.empty(1, 2, 3))
+                self.down_proj = nn.Parameter(torch.empty(1, 3, 1))
 
 
         class Qwen2MoePreTrainedModel(PreTrainedModel):
@@ -218,3 +223,196 @@ def test_already_patched_source_is_refused():
     patched = rewrite_source(QWEN_BEFORE, _target(), BLOCK).code
     with pytest.raises(BadSource, match="already patched"):
         rewrite_source(patched, _target(), BLOCK)
+
+
+# ------------------------------------------------------------------ anchor kinds beyond the shared-expert sum
+
+
+def _family_with(anchor: str, base: str = "qwen2_moe"):
+    """A table row with another anchor kind (rows stay in codegen.families; only the anchor differs)."""
+    import dataclasses
+
+    return dataclasses.replace(FAMILIES[base], anchor=anchor)
+
+
+def _anchor_target(family):
+    return RewriteTarget(family, f"transformers.models.{family.model_type}", frozenset(), "modeling_test.py", "test")
+
+
+ROUTED_FINAL_5X_BEFORE = _dedent(
+    """
+    class Qwen3MoeSparseMoeBlock(nn.Module):
+        def forward(self, hidden_states):
+            batch_size, sequence_length, hidden_dim = hidden_states.shape
+            flat = hidden_states.view(-1, hidden_dim)
+            _, weights, selected = self.gate(flat)
+            out = self.experts(flat, selected, weights)
+            return out.reshape(batch_size, sequence_length, hidden_dim)
+    """
+)
+
+
+def test_routed_final_5x_reduces_right_after_the_fused_experts_call():
+    result = rewrite_source(ROUTED_FINAL_5X_BEFORE, _target("qwen3_moe"), BLOCK)
+    assert result.code.endswith(
+        "        out = self.experts(flat, selected, weights)\n"
+        "        # codegen: one all-reduce per MoE layer covers the routed experts\n"
+        "        out = _codegen_moe_all_reduce(self, out)\n"
+        "        return out.reshape(batch_size, sequence_length, hidden_dim)\n"
+    )
+    assert result.reduced_variable == "out" and result.moe_class == "Qwen3MoeSparseMoeBlock"
+
+
+def test_routed_final_4x_reduces_after_the_per_expert_loop_before_the_reshape():
+    before = _dedent(
+        """
+        class MixtralSparseMoeBlock(nn.Module):
+            def forward(self, hidden_states):
+                router_logits = self.gate(hidden_states)
+                acc = torch.zeros_like(hidden_states)
+                for expert_idx in range(self.num_experts):
+                    expert_layer = self.experts[expert_idx]
+                    idx, top_x = torch.where(mask[expert_idx])
+                    acc.index_add_(0, top_x, expert_layer(hidden_states[top_x]))
+                acc = acc.reshape(-1)
+                return acc, router_logits
+        """
+    )
+    result = rewrite_source(before, _target("mixtral"), BLOCK)
+    assert result.code.endswith(
+        "            acc.index_add_(0, top_x, expert_layer(hidden_states[top_x]))\n"
+        "        # codegen: one all-reduce per MoE layer covers the routed experts\n"
+        "        acc = _codegen_moe_all_reduce(self, acc)\n"
+        "        acc = acc.reshape(-1)\n"
+        "        return acc, router_logits\n"
+    )
+    assert result.reduced_variable == "acc"
+
+
+@pytest.mark.parametrize(
+    "forward, message",
+    [
+        ("        return self.experts(x)\n", "no recognisable routed experts output"),
+        ("        y = self.experts(x)\n        z = self.experts(y)\n        return z\n", "2 times"),
+        ("        if x is None:\n            return x\n        y = self.experts(x)\n        return y\n",
+         "returns at line"),
+    ],
+    ids=["no-assignment", "two-outputs", "early-return"],
+)
+def test_unplaceable_routed_final_reduction_is_a_precise_error(forward, message):
+    source = "class Qwen3MoeSparseMoeBlock(nn.Module):\n    def forward(self, x):\n" + forward
+    with pytest.raises(BadSource, match=message):
+        rewrite_source(source, _target("qwen3_moe"), BLOCK)
+
+
+def test_returned_sum_is_reduced_inside_the_one_return():
+    from codegen.families import ANCHOR_RETURNED_SUM
+
+    before = _dedent(
+        """
+        class Qwen2MoeSparseMoeBlock(nn.Module):
+            def forward(self, hidden_states):
+                shared = self.shared_expert(hidden_states)
+                routed = self.experts(hidden_states).reshape(2, 3)
+                return routed + shared, None
+        """
+    )
+    result = rewrite_source(before, _anchor_target(_family_with(ANCHOR_RETURNED_SUM)), BLOCK)
+    assert result.code.endswith(
+        "        routed = self.experts(hidden_states).reshape(2, 3)\n"
+        "        # codegen: one all-reduce per MoE layer covers routed + shared experts\n"
+        "        return _codegen_moe_all_reduce(self, routed + shared), None\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "forward, message",
+    [
+        ("        if x is None:\n            return x\n        return self.experts(x) + self.shared_expert(x)\n",
+         "only `return`"),
+        ("        y = self.experts(x) + self.shared_expert(x)\n        return y\n", "no recognisable returned"),
+    ],
+    ids=["two-returns", "sum-not-returned"],
+)
+def test_unplaceable_returned_sum_is_a_precise_error(forward, message):
+    from codegen.families import ANCHOR_RETURNED_SUM
+
+    source = "class Qwen2MoeSparseMoeBlock(nn.Module):\n    def forward(self, x):\n" + forward
+    with pytest.raises(BadSource, match=message):
+        rewrite_source(source, _anchor_target(_family_with(ANCHOR_RETURNED_SUM)), BLOCK)
+
+
+def test_sum_in_both_branches_of_an_if_else_is_reduced_once_after_the_if():
+    before = _dedent(
+        """
+        class Qwen2MoeSparseMoeBlock(nn.Module):
+            def forward(self, x):
+                if self.training:
+                    out = self.experts(x) + self.shared_expert(x)
+                else:
+                    out = self.experts(x, fast=True) + self.shared_expert(x)
+                return out
+        """
+    )
+    result = rewrite_source(before, _target(), BLOCK)
+    assert result.code.endswith(
+        "            out = self.experts(x, fast=True) + self.shared_expert(x)\n"
+        "        # codegen: one all-reduce per MoE layer covers routed + shared experts\n"
+        "        out = _codegen_moe_all_reduce(self, out)\n"
+        "        return out\n"
+    )
+
+
+def test_sum_bound_in_one_branch_only_is_refused_not_reduced_inside_it():
+    source = _dedent(
+        """
+        class Qwen2MoeSparseMoeBlock(nn.Module):
+            def forward(self, x):
+                if self.shared_expert is not None:
+                    out = self.experts(x) + self.shared_expert(x)
+                else:
+                    other = self.experts(x)
+                return out
+        """
+    )
+    with pytest.raises(BadSource, match="only some branches"):
+        rewrite_source(source, _target(), BLOCK)
+
+
+def test_fused_experts_are_recognised_by_the_whole_layout_of_the_family():
+    """gpt_oss's layout names expert biases: gate_up/down Parameters alone are not its layout."""
+    layout = FAMILIES["gpt_oss"].fused
+    params = "\n".join(f"        self.{name} = nn.Parameter(torch.empty(1))" for name in layout.parameters)
+    block = _dedent(
+        """
+        class GptOssMLP(nn.Module):
+            def __init__(self, config):
+                self.router = Router(config)
+                self.experts = GptOssExperts(config)
+
+            def forward(self, hidden_states):
+                out = self.experts(hidden_states)
+                return out, None
+
+
+        class GptOssPreTrainedModel(PreTrainedModel):
+            pass
+        """
+    )
+    full = block + "\n\nclass GptOssExperts(nn.Module):\n    def __init__(self, config):\n" + params + "\n"
+    assert rewrite_source(full, _target("gpt_oss"), BLOCK).fused_experts
+    without_biases = "\n".join(line for line in full.splitlines() if "_bias" not in line) + "\n"
+    assert not rewrite_source(without_biases, _target("gpt_oss"), BLOCK).fused_experts
+
+
+def test_wrapped_return_passes_the_safety_check_and_other_edits_do_not():
+    from codegen.families import ANCHOR_RETURNED_SUM
+    from codegen.rewrite import check_only_intended_changes
+
+    target = _anchor_target(_family_with(ANCHOR_RETURNED_SUM))
+    original = "def f(self, a, b):\n    return a + b\n"
+    wrapped = "def f(self, a, b):\n    return _codegen_moe_all_reduce(self, a + b)\n"
+    check_only_intended_changes(original, wrapped, target)
+    with pytest.raises(BadSource, match="changed more than intended"):
+        check_only_intended_changes(original, "def f(self, a, b):\n    return _codegen_moe_all_reduce(self, a - b)\n",
+                                    target)
