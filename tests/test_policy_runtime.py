@@ -79,6 +79,14 @@ class FakeDist:
     def inference_all_reduce(self, tensor, group=None):
         self.calls.append(("inference_all_reduce", group, {}))
 
+    #: what the other ranks contribute to an all_gather: rank -> tensor (default: the same as this rank's)
+    peers: typing.ClassVar[dict] = {}
+
+    def all_gather(self, tensors, tensor, group=None):
+        self.calls.append(("all_gather", group, {}))
+        for index, out in enumerate(tensors):
+            out.copy_(tensor if index == self.get_rank(group) else self.peers.get(index, tensor))
+
 
 # ----------------------------------------------------------------------------------- fake DeepSpeed AutoTP
 
@@ -141,7 +149,7 @@ def fake_deepspeed(dist, rows=("w2", "o")):
     ds.__version__ = "0.0-fake"
     ds.init_inference, ds.init_distributed = init_inference, lambda: None
     ds.comm = types.SimpleNamespace(all_reduce=dist.all_reduce, inference_all_reduce=dist.inference_all_reduce,
-                                    comm=types.SimpleNamespace(cdb=backend))
+                                    all_gather=dist.all_gather, comm=types.SimpleNamespace(cdb=backend))
     ds.module_inject = types.SimpleNamespace(layers=types.SimpleNamespace(LinearLayer=FakeColumn, LinearAllreduce=FakeRow))
     ds.inference = types.SimpleNamespace(config=types.SimpleNamespace(DeepSpeedTPConfig=TPConfig))
     return ds
@@ -157,7 +165,7 @@ def with_fake_deepspeed(monkeypatch):
         ds.__name__ = "deepspeed"
         comm = types.ModuleType("deepspeed.comm")
         for name in ("is_initialized", "get_world_size", "get_rank", "new_group", "all_reduce",
-                     "inference_all_reduce"):
+                     "inference_all_reduce", "all_gather"):
             setattr(comm, name, getattr(dist, name))
         comm.comm = ds.comm.comm
         ds.comm = comm
