@@ -9,7 +9,9 @@ knowledge: every attribute, class and config name comes from the layout.
 
 The policy enforces what the layout says rather than relying on DeepSpeed's name rules: routers and
 replicated projections are detached while DeepSpeed shards and re-attached after; experts the layout calls
-sharded must come out sharded; and every private DeepSpeed name it touches is probed first, so an
+sharded must come out sharded (fused layouts, their biases included, are split here); per-head attention
+Parameters are cut to the heads DeepSpeed left on the rank; and every private DeepSpeed name it touches is
+probed first, so an
 unsupported DeepSpeed gets one `PolicyError` line naming what is missing instead of a silent fallback.
 """
 
@@ -427,9 +429,12 @@ def local_head_count(owner, column_class):
         if isinstance(child, column_class):
             local = child.weight.shape[0]
             counts.add(heads * local // full if (heads * local) % full == 0 else -1)
+    if not counts:
+        raise PolicyError(f"{owner['where']}: DeepSpeed split none of its projections by heads: cannot shard "
+                          f"{', '.join(owner['params'])} with the heads")
     if len(counts) != 1 or -1 in counts:
         raise PolicyError(f"{owner['where']}: DeepSpeed's split of its projections is not a whole number of its "
-                          f"{heads} heads ({', '.join(owner['rows']) or 'no projections'}): cannot shard "
+                          f"{heads} heads ({', '.join(owner['rows'])}): cannot shard "
                           f"{', '.join(owner['params'])} with the heads")
     return counts.pop()
 

@@ -38,7 +38,7 @@ forward does not reduce. On CPU, each rank removes its own DeepSpeed shared-memo
 LAYOUT = {'family': 'glm4_moe', 'moe_classes': ['Glm4MoeMoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': ''}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': [], 'attention_head_params': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size']}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_glm4_moe'
-RUNTIME_SHA256 = 'cd26cf7fdc4969d379caa6c7cc096f2c8fc2e3fe5418db7547e07a0c90e48eec'
+RUNTIME_SHA256 = 'cb5ff9e72ca72a0ab67d2adf386e8e6611a918bbb5dedfbd6924390e4de96e33'
 
 # ---- codegen/policy_runtime.py, verbatim ----
 """The AutoTP policy runtime: shard a codegen-patched MoE model with DeepSpeed and reduce once per MoE layer.
@@ -52,7 +52,9 @@ knowledge: every attribute, class and config name comes from the layout.
 
 The policy enforces what the layout says rather than relying on DeepSpeed's name rules: routers and
 replicated projections are detached while DeepSpeed shards and re-attached after; experts the layout calls
-sharded must come out sharded; and every private DeepSpeed name it touches is probed first, so an
+sharded must come out sharded (fused layouts, their biases included, are split here); per-head attention
+Parameters are cut to the heads DeepSpeed left on the rank; and every private DeepSpeed name it touches is
+probed first, so an
 unsupported DeepSpeed gets one `PolicyError` line naming what is missing instead of a silent fallback.
 """
 
@@ -470,9 +472,12 @@ def local_head_count(owner, column_class):
         if isinstance(child, column_class):
             local = child.weight.shape[0]
             counts.add(heads * local // full if (heads * local) % full == 0 else -1)
+    if not counts:
+        raise PolicyError(f"{owner['where']}: DeepSpeed split none of its projections by heads: cannot shard "
+                          f"{', '.join(owner['params'])} with the heads")
     if len(counts) != 1 or -1 in counts:
         raise PolicyError(f"{owner['where']}: DeepSpeed's split of its projections is not a whole number of its "
-                          f"{heads} heads ({', '.join(owner['rows']) or 'no projections'}): cannot shard "
+                          f"{heads} heads ({', '.join(owner['rows'])}): cannot shard "
                           f"{', '.join(owner['params'])} with the heads")
     return counts.pop()
 
