@@ -11,8 +11,8 @@ The policy enforces what the layout says rather than relying on DeepSpeed's name
 replicated projections are detached while DeepSpeed shards and re-attached after; experts the layout calls
 sharded must come out sharded (fused layouts, their biases included, are split here); per-head attention
 Parameters are cut to the heads DeepSpeed left on the rank; and every private DeepSpeed name it touches is
-probed first, so an
-unsupported DeepSpeed gets one `PolicyError` line naming what is missing instead of a silent fallback.
+probed first, so an unsupported DeepSpeed gets one `PolicyError` line naming what is missing instead of a
+silent fallback.
 """
 
 import atexit

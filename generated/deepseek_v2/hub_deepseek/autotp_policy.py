@@ -40,7 +40,7 @@ forward does not reduce. On CPU, each rank removes its own DeepSpeed shared-memo
 LAYOUT = {'family': 'deepseek_v2', 'moe_classes': ['DeepseekV2Moe', 'DeepseekV2MoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': ''}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': ['q_a_proj', 'kv_a_proj_with_mqa'], 'attention_head_params': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size']}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_deepseek_codegen'
-RUNTIME_SHA256 = 'cb5ff9e72ca72a0ab67d2adf386e8e6611a918bbb5dedfbd6924390e4de96e33'
+RUNTIME_SHA256 = '963cfd96d85bafedf2389ef7ebff40b3ee30c98286161fcc78b66db01872d8e9'
 
 # ---- codegen/policy_runtime.py, verbatim ----
 """The AutoTP policy runtime: shard a codegen-patched MoE model with DeepSpeed and reduce once per MoE layer.
@@ -56,8 +56,8 @@ The policy enforces what the layout says rather than relying on DeepSpeed's name
 replicated projections are detached while DeepSpeed shards and re-attached after; experts the layout calls
 sharded must come out sharded (fused layouts, their biases included, are split here); per-head attention
 Parameters are cut to the heads DeepSpeed left on the rank; and every private DeepSpeed name it touches is
-probed first, so an
-unsupported DeepSpeed gets one `PolicyError` line naming what is missing instead of a silent fallback.
+probed first, so an unsupported DeepSpeed gets one `PolicyError` line naming what is missing instead of a
+silent fallback.
 """
 
 import atexit
