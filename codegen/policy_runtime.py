@@ -304,7 +304,8 @@ def shard_gate_up_rows(experts, where, rank, world, names):
     params = _fused_params(experts, where, names)
     gate_up, down, gate_up_bias = params["gate_up"], params["down"], params["gate_up_bias"]
     inter = down.shape[-1]
-    if gate_up.shape[1] != 2 * inter or inter % world or (gate_up_bias is not None and gate_up_bias.shape[1] != 2 * inter):
+    bias_fits = gate_up_bias is None or gate_up_bias.shape[1] == 2 * inter
+    if gate_up.shape[1] != 2 * inter or inter % world or not bias_fits:
         raise PolicyError(f"{where} has {names['gate_up']} {tuple(gate_up.shape)} and {names['down']} "
                           f"{tuple(down.shape)}: cannot split the expert size {inter} over {world} ranks")
     shard = inter // world

@@ -40,7 +40,7 @@ forward does not reduce. On CPU, each rank removes its own DeepSpeed shared-memo
 LAYOUT = {'family': 'deepseek_v2', 'moe_classes': ['DeepseekV2Moe', 'DeepseekV2MoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': ''}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': ['q_a_proj', 'kv_a_proj_with_mqa'], 'attention_head_params': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size']}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_deepseek_codegen'
-RUNTIME_SHA256 = '963cfd96d85bafedf2389ef7ebff40b3ee30c98286161fcc78b66db01872d8e9'
+RUNTIME_SHA256 = '7dc7546a98d21f5b1be87d647b3031117a50bf687692c98ddcc82649cf154b93'
 
 # ---- codegen/policy_runtime.py, verbatim ----
 """The AutoTP policy runtime: shard a codegen-patched MoE model with DeepSpeed and reduce once per MoE layer.
@@ -349,7 +349,8 @@ def shard_gate_up_rows(experts, where, rank, world, names):
     params = _fused_params(experts, where, names)
     gate_up, down, gate_up_bias = params["gate_up"], params["down"], params["gate_up_bias"]
     inter = down.shape[-1]
-    if gate_up.shape[1] != 2 * inter or inter % world or (gate_up_bias is not None and gate_up_bias.shape[1] != 2 * inter):
+    bias_fits = gate_up_bias is None or gate_up_bias.shape[1] == 2 * inter
+    if gate_up.shape[1] != 2 * inter or inter % world or not bias_fits:
         raise PolicyError(f"{where} has {names['gate_up']} {tuple(gate_up.shape)} and {names['down']} "
                           f"{tuple(down.shape)}: cannot split the expert size {inter} over {world} ranks")
     shard = inter // world
