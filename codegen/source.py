@@ -10,6 +10,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import keyword
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -96,7 +97,7 @@ def resolve_source(
         text = _read_text(override)
         output = f"{remote}{PATCHED_SUFFIX}.py" if remote else f"modeling_{family.model_type}.py"
         return ModelSource(family, str(override), "override", text, output, _package_of(override, family),
-                           shipped, version)
+                           shipped, transformers_version_of(override))
     if remote is not None:
         name = f"{remote}.py"
         data = read_original(name)
@@ -120,6 +121,22 @@ def resolve_source(
         )
     return ModelSource(family, str(path), "builtin", _read_text(path), path.name, family.builtin_module.rsplit(".", 1)[0],
                        frozenset(), version)
+
+
+def transformers_version_of(path: Path) -> str | None:
+    """The release a file inside a transformers tree comes from (its package's `__version__`), else None."""
+    for folder in path.resolve().parents:
+        init = folder / "__init__.py"
+        if folder.name == "transformers" and init.is_file():
+            try:
+                found = _VERSION.search(init.read_text(encoding="utf-8", errors="replace"))
+            except OSError:
+                return None
+            return found.group(1) if found else None
+    return None
+
+
+_VERSION = re.compile(r"""^__version__\s*=\s*["']([^"']+)["']""", re.MULTILINE)
 
 
 def builtin_source_path(family: Family) -> Path | None:
