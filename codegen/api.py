@@ -187,7 +187,7 @@ def _patched(md: ModelDir, plan) -> PatchResult:
 def check(model_dir: Path | str, *, source: Path | None = None, coalesce: bool | None = None,
           revision: str | None = None, local_files_only: bool = False) -> CheckResult:
     """Is the dir patched and up to date? Read-only: one line per problem."""
-    from codegen.plan import build_plan, resolve_inputs
+    from codegen.plan import build_plan, current_knob, resolve_inputs
 
     md, _ = _locate(model_dir, revision, local_files_only)
     with md.locked(shared=True):
@@ -207,20 +207,20 @@ def check(model_dir: Path | str, *, source: Path | None = None, coalesce: bool |
         for name in sorted(status):
             if status[name] == "edited":
                 problems.append(f"{md.path / name}: edited since patching")
-        if coalesce is not None and coalesce != manifest.coalesce:
-            problems.append(f"{md.path / CONFIG}: {KNOB} is {str(manifest.coalesce).lower()}, "
+        knob = current_knob(md, manifest)
+        if coalesce is not None and coalesce != knob:
+            problems.append(f"{md.path / CONFIG}: {KNOB} is {str(knob).lower()}, "
                             f"{'--coalesce' if coalesce else '--no-coalesce'} asks for {str(coalesce).lower()}")
         inputs = resolve_inputs(md, source, coalesce)
         if not problems and _up_to_date_fast(inputs.fingerprint, manifest, status):
-            return CheckResult(md.path, True, [], manifest.coalesce,
-                               f"{md.path}: patched, up to date ({_knob(manifest.coalesce)})")
+            return CheckResult(md.path, True, [], knob, f"{md.path}: patched, up to date ({_knob(knob)})")
         plan = build_plan(inputs)
         for name in sorted(plan.files):
             if status.get(name) == "edited" or md.current_bytes(name) == plan.files[name]:
                 continue
             if name in status and md.current_bytes(name) is None:
                 why = "missing (deleted since patching, or an interrupted run): run patch"
-            elif name == CONFIG and coalesce is not None and coalesce != manifest.coalesce:
+            elif name == CONFIG and coalesce is not None and coalesce != knob:
                 continue  # said above
             else:
                 why = "codegen would write different content (codegen or its source changed): run patch"
@@ -228,8 +228,8 @@ def check(model_dir: Path | str, *, source: Path | None = None, coalesce: bool |
         for name in sorted(n for n in manifest.files if n not in plan.files and status.get(n) != "original"):
             problems.append(f"{md.path / name}: written by an earlier patch and no longer needed: run patch")
     if problems:
-        return CheckResult(md.path, False, problems, manifest.coalesce)
-    return CheckResult(md.path, True, [], manifest.coalesce, f"{md.path}: patched, up to date ({_knob(manifest.coalesce)})")
+        return CheckResult(md.path, False, problems, knob)
+    return CheckResult(md.path, True, [], knob, f"{md.path}: patched, up to date ({_knob(knob)})")
 
 
 # -------------------------------------------------------------------------------------------------- diff

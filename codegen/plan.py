@@ -60,7 +60,8 @@ class Inputs:
             "installed_transformers": installed_transformers_version(),
             "coalesce": self.coalesce,
             "config_sha256": hashlib.sha256(self.config_bytes).hexdigest(),
-            "shipped": sorted(self.source.shipped_modules),
+            # what the dir ships besides codegen's own output (a re-patch sees its earlier output there)
+            "shipped": sorted(self.source.shipped_modules - {self.source.module_name, POLICY.removesuffix(".py")}),
         }
 
 
@@ -204,10 +205,14 @@ _MISSING = object()
 
 
 def restore_info(original: dict, family: Family) -> dict:
-    """What the patched modeling file records so `revert` can undo config.json without `.codegen/`:
-    the original value (or None) of each auto_map entry codegen overwrites, and a changed model_type."""
+    """What the patched modeling file records so `revert` can undo config.json without `.codegen/`: the
+    original value of each auto_map entry codegen overwrites (absent: it did not exist) and a changed
+    model_type. Only values the entry points at, never the rest of the config."""
     auto_map = original.get("auto_map") or {}
-    info: dict[str, Any] = {"auto_map": {k: auto_map.get(k) for k in sorted(family.auto_classes)}}
+    info: dict[str, Any] = {}
+    replaced = {k: auto_map[k] for k in sorted(family.auto_classes) if auto_map.get(k) is not None}
+    if replaced:
+        info["auto_map"] = replaced
     if original.get("model_type") != family.model_type:
         info["model_type"] = original.get("model_type")
     return info
@@ -231,7 +236,7 @@ def resolve_inputs(model_dir: ModelDir, source_override: Path | None, coalesce: 
     source = resolve_source(family, config, lambda name: model_dir.original_bytes(name, manifest), shipped,
                             source_override)
     if coalesce is None:
-        coalesce = manifest.coalesce if manifest is not None else True
+        coalesce = current_knob(model_dir, manifest)
     notices = []
     raw_type = config.get("model_type")
     if raw_type != family.model_type:
@@ -248,6 +253,18 @@ def resolve_inputs(model_dir: ModelDir, source_override: Path | None, coalesce: 
         notices.append(f"--source comes from transformers {seen} but {installed or 'none'} is installed: "
                        "the patched dir is recorded for the source's release")
     return Inputs(model_dir, manifest, config_bytes, config, family, source, coalesce, notices)
+
+
+def current_knob(model_dir: ModelDir, manifest: Manifest | None) -> bool:
+    """The knob as the dir has it now: config.json is the commit point, so it beats the manifest (which an
+    interrupted re-patch already wrote); a first patch turns it on."""
+    if manifest is None:
+        return True
+    try:
+        value = json.loads(model_dir.current_bytes(CONFIG) or b"{}").get(KNOB)
+    except (ValueError, AttributeError, UnicodeDecodeError):
+        value = None
+    return value if isinstance(value, bool) else manifest.coalesce
 
 
 # ------------------------------------------------------------------------------------------------ plan

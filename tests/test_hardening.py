@@ -421,7 +421,7 @@ SWEEPS = {
     "revert-qwen2_moe-hf_cache": ("qwen2_moe", "hf_cache", "revert", "patched", ()),
     "revert-hub_deepseek-hf_cache": ("hub_deepseek", "hf_cache", "revert", "patched", ()),
     "repatch-no-coalesce-qwen2_moe": ("qwen2_moe", "plain", "patch", "patched", ("--no-coalesce",)),
-    "repatch-coalesce-hub_deepseek": ("hub_deepseek", "hf_cache", "patch", "patched-no-coalesce", ()),
+    "repatch-coalesce-hub_deepseek": ("hub_deepseek", "hf_cache", "patch", "patched-no-coalesce", ("--coalesce",)),
     "repatch-from-old-layout-hub_deepseek": ("hub_deepseek", "plain", "patch", "patched-old-layout", ()),
 }
 

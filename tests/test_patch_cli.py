@@ -81,16 +81,23 @@ def test_diff_prints_unified_diff_and_writes_nothing(make_dir):
     assert again.returncode == 0 and again.stdout == ""
 
 
-def test_no_coalesce_writes_the_knob_off_and_back_on(make_dir):
+def test_no_coalesce_sticks_until_coalesce_turns_it_back_on(make_dir):
     d = make_dir("qwen2_moe")
     before = tree_digest(d)
     assert run_codegen("patch", "--no-coalesce", d).returncode == 0
     assert json.loads((d / "config.json").read_text())[KNOB] is False
-    # the dir is up to date for --no-coalesce, not for the default
+    # the recorded choice sticks: a plain --check passes and says which, a plain patch keeps it off
+    plain = run_codegen("patch", "--check", d)
+    assert plain.returncode == 0 and "knob off" in plain.stdout
     assert run_codegen("patch", "--check", "--no-coalesce", d).returncode == 0
-    assert run_codegen("patch", "--check", d).returncode == 1
-    assert run_codegen("patch", d).returncode == 0
+    wants_on = run_codegen("patch", "--check", "--coalesce", d)
+    assert wants_on.returncode == 1 and KNOB in wants_on.stderr and len(wants_on.stderr.splitlines()) == 1
+    again = run_codegen("patch", d)
+    assert again.returncode == 0 and "unchanged" in again.stdout
+    assert json.loads((d / "config.json").read_text())[KNOB] is False
+    assert run_codegen("patch", "--coalesce", d).returncode == 0
     assert json.loads((d / "config.json").read_text())[KNOB] is True
+    assert run_codegen("patch", "--check", d).returncode == 0
     assert run_codegen("revert", d).returncode == 0
     assert tree_digest(d) == before
 
