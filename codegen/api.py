@@ -94,9 +94,9 @@ def _knob(coalesce: bool) -> str:
     return "knob on: one all-reduce per MoE layer" if coalesce else "knob off: stock DeepSpeed reductions"
 
 
-def _up_to_date_fast(fingerprint: dict, manifest: Manifest, status: dict[str, str]) -> bool:
-    """The inputs are those recorded and every file is as codegen wrote it: the plan would change nothing."""
-    return manifest.inputs == fingerprint and bool(status) and all(s == "ours" for s in status.values())
+def _up_to_date_fast(md: ModelDir, fingerprint: dict, manifest: Manifest) -> bool:
+    """The inputs are those recorded and every file is as codegen last wrote it: the plan would change nothing."""
+    return manifest.inputs == fingerprint and md.exactly_as_written(manifest)
 
 
 def _release(version: str | None) -> str | None:
@@ -149,7 +149,7 @@ def patch(model_dir: Path | str, *, source: Path | None = None, coalesce: bool |
             _refuse_orphan(md)
         inputs = resolve_inputs(md, source, coalesce)
         status = md.status(manifest) if manifest is not None else {}
-        if manifest is not None and _up_to_date_fast(inputs.fingerprint, manifest, status):
+        if manifest is not None and _up_to_date_fast(md, inputs.fingerprint, manifest):
             return _unchanged(md, inputs.family.model_type, inputs.coalesce, inputs.notices)
         plan = build_plan(inputs)
         if manifest is not None and not _stale(md, plan.files, manifest, status):
@@ -212,7 +212,7 @@ def check(model_dir: Path | str, *, source: Path | None = None, coalesce: bool |
             problems.append(f"{md.path / CONFIG}: {KNOB} is {str(knob).lower()}, "
                             f"{'--coalesce' if coalesce else '--no-coalesce'} asks for {str(coalesce).lower()}")
         inputs = resolve_inputs(md, source, coalesce)
-        if not problems and _up_to_date_fast(inputs.fingerprint, manifest, status):
+        if not problems and _up_to_date_fast(md, inputs.fingerprint, manifest):
             return CheckResult(md.path, True, [], knob, f"{md.path}: patched, up to date ({_knob(knob)})")
         plan = build_plan(inputs)
         for name in sorted(plan.files):
@@ -246,7 +246,7 @@ def diff(model_dir: Path | str, *, source: Path | None = None, coalesce: bool | 
         if manifest is None:
             _refuse_orphan(md)
         inputs = resolve_inputs(md, source, coalesce)
-        if manifest is not None and _up_to_date_fast(inputs.fingerprint, manifest, md.status(manifest)):
+        if manifest is not None and _up_to_date_fast(md, inputs.fingerprint, manifest):
             return DiffResult(md.path, "", inputs.notices)
         plan = build_plan(inputs)
         parts = []

@@ -117,6 +117,14 @@ class ModelDir:
                 result[name] = "edited"
         return result
 
+    def exactly_as_written(self, manifest: Manifest) -> bool:
+        """Every recorded file holds the bytes the last complete write gave it (not an interrupted one's)."""
+        for name, record in manifest.files.items():
+            data = self.current_bytes(name)
+            if record.written_sha256 is None or data is None or sha256(data) != record.written_sha256:
+                return False
+        return bool(manifest.files)
+
     # ------------------------------------------------------------------------------------------ locking
 
     @contextlib.contextmanager

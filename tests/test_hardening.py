@@ -405,6 +405,7 @@ def _emulate_old_layout(d: Path) -> None:
     }
     assert record["original"] == {"kind": "absent"}
     manifest["files"]["config.json"]["written_sha256"] = hashlib.sha256(config_bytes).hexdigest()
+    manifest.pop("inputs", None)  # an older codegen recorded no input fingerprint
     manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 
