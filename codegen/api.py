@@ -22,6 +22,8 @@ PATCH_HINT = "python -m codegen patch"
 
 @dataclass
 class PatchResult:
+    """What `patch` did."""
+
     model_dir: Path
     #: False when the dir was already up to date (nothing written)
     changed: bool
@@ -35,6 +37,8 @@ class PatchResult:
 
 @dataclass
 class CheckResult:
+    """Whether the dir is patched and up to date, and if not, why."""
+
     model_dir: Path
     up_to_date: bool
     #: one line per problem (empty when up to date)
@@ -45,6 +49,8 @@ class CheckResult:
 
 @dataclass
 class DiffResult:
+    """What `patch` would change."""
+
     model_dir: Path
     #: a unified diff `patch -p1` applies inside the model dir ("" when up to date)
     diff: str
@@ -53,6 +59,8 @@ class DiffResult:
 
 @dataclass
 class RevertResult:
+    """What `revert` restored."""
+
     model_dir: Path
     was_patched: bool
     restored: list[str] = field(default_factory=list)

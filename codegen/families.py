@@ -43,6 +43,8 @@ class FusedExperts:
 
 @dataclass(frozen=True)
 class Family:
+    """One MoE family: every name codegen needs to rewrite, shard and check it."""
+
     model_type: str
     #: the transformers module that ships the built-in implementation
     builtin_module: str

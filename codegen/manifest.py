@@ -33,6 +33,8 @@ class Original:
 
 @dataclass
 class FileRecord:
+    """One file codegen wrote: what it was before, and the sha256 of what codegen put there."""
+
     original: Original
     written_sha256: str | None = None
     #: what an earlier patch wrote, while a re-patch that would change it has not yet rewritten it
@@ -58,6 +60,8 @@ class FileRecord:
 
 @dataclass(frozen=True)
 class SourceInfo:
+    """The modeling source the patch was rewritten from."""
+
     kind: str  # "builtin" | "remote" | "override"
     path: str
     sha256: str
@@ -67,6 +71,8 @@ class SourceInfo:
 
 @dataclass
 class Manifest:
+    """The whole record; `files` maps a name in the model dir to its FileRecord."""
+
     files: dict[str, FileRecord]
     tool: str = "codegen"
     version: str = ""

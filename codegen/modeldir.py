@@ -24,12 +24,21 @@ from typing import Iterator
 
 from codegen.errors import BadInput, IOFailure
 from codegen.manifest import Manifest
-from codegen.outcopy import copy_with_linked_weights  # noqa: F401 - re-exported for the harness
 from codegen.transaction import CONFIG, MANIFEST, ORIGINALS, STATE_DIR, TMP_NAME, Transaction, fsync_dir, sha256
 
 LOCK_WAIT_S = 30.0
 
 __all__ = ["CONFIG", "ModelDir", "copy_with_linked_weights", "sha256"]
+
+
+def __getattr__(name: str):
+    # `copy_with_linked_weights` moved to codegen.outcopy; the harness still imports it from here (lazily, so
+    # `patch --check` never loads it)
+    if name == "copy_with_linked_weights":
+        from codegen.outcopy import copy_with_linked_weights
+
+        return copy_with_linked_weights
+    raise AttributeError(name)
 
 
 class ModelDir:

@@ -11,7 +11,6 @@ Two stages, so the common case stays cheap:
 from __future__ import annotations
 
 import ast
-import difflib
 import hashlib
 import json
 import re
@@ -20,7 +19,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from codegen import __version__, configjson
+from codegen import __version__
 from codegen.errors import BadInput, BadSource
 from codegen.families import FAMILIES, KNOB, Family, normalise_model_type
 from codegen.manifest import Manifest, SourceInfo
@@ -67,6 +66,8 @@ class Inputs:
 
 @dataclass
 class Plan:
+    """The files `patch` writes and the manifest that records them."""
+
     inputs: Inputs
     rewrite: Any  # codegen.rewrite.Rewrite
     files: dict[str, bytes]
@@ -363,6 +364,7 @@ def guard_version_of(source: ModelSource) -> str | None:
 
 
 def build_plan(inputs: Inputs) -> Plan:
+    from codegen import configjson
     from codegen.rewrite import RewriteTarget
 
     family, source = inputs.family, inputs.source
@@ -406,6 +408,8 @@ def unified_diff(name: str, before: bytes | None, after: bytes | None) -> str:
     `\\ No newline at end of file` where a side does not end in one."""
     a = [] if before is None else before.decode("utf-8", "replace").splitlines(keepends=True)
     b = [] if after is None else after.decode("utf-8", "replace").splitlines(keepends=True)
+    import difflib
+
     fromfile = "/dev/null" if before is None else f"a/{name}"
     tofile = "/dev/null" if after is None else f"b/{name}"
     lines = difflib.unified_diff(a, b, fromfile=fromfile, tofile=tofile)
