@@ -56,6 +56,8 @@ def find_orphan(md: ModelDir) -> Orphan | None:
             ours.add(module)
         else:
             not_exact.append(f"{module}.py was rewritten in place by an older codegen: re-download it")
+    if not ours and KNOB not in config:
+        return None  # a remote file rewritten in place, nothing else of codegen's: the rewriter says so
     restore: dict[str, Any] = {}
     for module in sorted(ours):
         for key, value in (marked[module].get("config_restore") or {}).items():
