@@ -38,9 +38,10 @@ def snapshot(repo_id: str, revision: str | None, local_files_only: bool) -> Path
     except Exception as exc:  # noqa: BLE001 - huggingface_hub's errors vary by release; one line each
         name = type(exc).__name__
         if local_only and ("LocalEntryNotFound" in name or "OfflineModeIsEnabled" in name or "NotFound" in name):
-            raise BadInput(f"{repo_id}{'@' + revision if revision else ''} is not in the local Hugging Face cache "
-                           "(offline): download it first, or unset HF_HUB_OFFLINE") from None
+            raise BadInput(f"{repo_id}{'@' + revision if revision else ''}: no such directory, and not in the local "
+                           "Hugging Face cache (offline): check the path, or download the repo first") from None
         if "RepositoryNotFound" in name or "RevisionNotFound" in name or "GatedRepo" in name:
-            raise BadInput(f"{repo_id}: {name} (check the repo id, --revision and your HF token)") from None
+            raise BadInput(f"{repo_id}: no such directory, and the hub says {name} (check the path or repo id, "
+                           "--revision and your HF token)") from None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else name
         raise IOFailure(f"cannot download {repo_id}: {first}") from None

@@ -54,7 +54,9 @@ def _copy_tree(src: Path, dst: Path, skip: set[str], top: bool) -> None:
         if os.path.realpath(entry.path) in skip:
             continue
         target = dst / entry.name
-        if entry.is_dir():  # follows a symlinked dir: its files are linked or copied like any other
+        if entry.is_dir() and entry.is_symlink():  # a linked folder stays a link (and can never loop)
+            os.symlink(os.path.realpath(entry.path), target)
+        elif entry.is_dir():
             target.mkdir()
             _copy_tree(Path(entry.path), target, skip, top=False)
         elif not os.path.exists(entry.path):  # a dangling link: keep it as it is
