@@ -175,18 +175,18 @@ def materialize_unpatched(model_dir: Path, into: Path) -> Path:
     if manifest is None:
         raise BadInput(f"{model_dir} is not patched: run `python -m codegen patch {model_dir}` first")
     into.mkdir(parents=True, exist_ok=True)
-    recorded = manifest["files"]
+    recorded = manifest.files
     try:
         for entry in model_dir.iterdir():
             if entry.name in (".codegen", "__pycache__") or entry.name in recorded:
                 continue
             os.symlink(entry.resolve(), into / entry.name)
         for name, record in recorded.items():
-            original = record["original"]
-            if original["kind"] == "file":
+            original = record.original
+            if original.kind == "file":
                 shutil.copyfile(model_dir / ".codegen" / "originals" / name, into / name)
-            elif original["kind"] == "symlink":
-                target = Path(original["target"])
+            elif original.kind == "symlink":
+                target = Path(original.target)
                 os.symlink(target if target.is_absolute() else (model_dir / target).resolve(), into / name)
     except OSError as exc:
         raise IOFailure(f"cannot build the unpatched reference in {into}: {exc.strerror}") from None
