@@ -7,13 +7,12 @@ import re
 
 import pytest
 
-from conftest import run_codegen
+from conftest import FAMILIES, run_codegen
 
 pytestmark = pytest.mark.runtime
 
-FAMILIES = ("qwen2_moe", "deepseek_v2")
 ROW = re.compile(
-    r"^(?P<family>qwen2_moe|deepseek_v2)\s+(?P<p_before>\S+)\s+(?P<p_after>\S+)\s+(?P<d_before>\S+)\s+(?P<d_after>\S+)"
+    rf"^(?P<family>{'|'.join(map(re.escape, FAMILIES))})\s+(?P<p_before>\S+)\s+(?P<p_after>\S+)\s+(?P<d_before>\S+)\s+(?P<d_after>\S+)"
     r"\s+(?P<e_before>\d+)%\s+(?P<e_after>\d+)%\s+(?P<diff_before>\S+)\s+(?P<diff_after>\S+)$",
     re.M,
 )
