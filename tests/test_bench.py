@@ -117,6 +117,29 @@ def test_timings_and_patch_times_are_recorded(smoke):
     assert "all-reduces / prefill" in result.stdout  # the table is printed
 
 
+@pytest.mark.runtime
+def test_the_demo_table_of_this_environment(smoke):
+    """The demo's table (codegen.demo.render) on this environment's ab record: one row per family, the
+    patched dirs reduce once, and the note that explains stock AutoTP under this transformers."""
+    import re
+
+    from codegen.demo import render
+
+    _, _, record = smoke
+    table = render(record)
+    rows = {line.split()[0]: line.split()[1:] for line in table.splitlines() if line.split()[:1] in ([f] for f in FAMILIES)}
+    assert set(rows) == set(FAMILIES)
+    for family, cells in rows.items():
+        p_before, p_after, d_before, d_after, e_before, e_after, diff_before, diff_after = cells
+        assert p_after == d_after == "1"
+        assert e_after == "50%" and float(diff_after) <= 1e-5 and float(diff_before) <= 1e-5
+        assert int(re.split("-", p_before)[-1]) >= 1
+    if _major(record["machine"]["transformers"]) < 5:
+        assert "stock AutoTP reduces inside every routed expert" in table
+    else:
+        assert "fused 3-D Parameters that stock AutoTP leaves replicated" in table
+
+
 # ------------------------------------------------------------------ report, merge, chart: the recorded runs
 
 
@@ -165,6 +188,7 @@ def test_merge_rejects_a_non_record_with_one_line(tmp_path):
 
 
 @pytest.mark.cli
+@pytest.mark.once
 def test_cuda_without_a_gpu_is_one_line():
     import torch
 

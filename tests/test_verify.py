@@ -1,11 +1,12 @@
 """`python -m codegen verify <dir> --tp 2`, as a user runs it, and the figures it measures.
 
-The patched dirs of every family are verified together in ONE launch of 2 real DeepSpeed ranks (fp32,
-CPU; codegen.verify.verify_dirs, what `verify` runs for one dir), which measures per dir: the patched
-dir without a TP policy, under its generated policy, and stock AutoTP on the unpatched dir, all
-against the unpatched model run in one process. The knob-off dir is verified by a real
-`python -m codegen verify --json` process: its exit status 6, its report and FAIL lines, and the JSON
-it writes. The tests below assert on the records (codegen.results' schema).
+The patched dirs of every family, and one patched with the knob off, are verified together in ONE
+launch of 2 real DeepSpeed ranks (fp32, CPU; codegen.verify.verify_dirs, what `verify` runs for one
+dir), which measures per dir: the patched dir without a TP policy, under its generated policy, and
+stock AutoTP on the unpatched dir, all against the unpatched model run in one process. The tests below
+assert on those records (codegen.results' schema). The command itself (`python -m codegen verify
+--json`, a real process) is run once, in the latest environment, on the knob-off dir: exit status 6,
+its report and FAIL lines, and the JSON it writes.
 
 Tiny checkpoints (tests/conftest.py): qwen2_moe has 2 layers, both MoE; deepseek_v2 has 2 layers,
 the first dense (first_k_dense_replace=1), the second MoE. DeepSpeed makes the LM head row-parallel,
@@ -38,29 +39,24 @@ def _patched(templates, tmp_path_factory, kind: str, *flags: str):
     return directory
 
 
+KNOB_OFF = "knob-off"
+
+
 @pytest.fixture(scope="session")
 def verified(_tiny_templates, tmp_path_factory):
-    """{family: (dir, record)}: every family's patched dir verified in one launch (codegen.verify.verify_dirs)."""
+    """{family | KNOB_OFF: (dir, record)}: every family's patched dir, and a qwen2_moe dir patched with
+    `--no-coalesce`, verified in one launch (codegen.verify.verify_dirs)."""
     from codegen.verify import verify_dirs
 
-    dirs = [_patched(_tiny_templates, tmp_path_factory, family) for family in FAMILIES]
-    records = verify_dirs(dirs, TP, timeout=900)
-    return {family: (d, r) for family, d, r in zip(FAMILIES, dirs, records)}
+    dirs = {family: _patched(_tiny_templates, tmp_path_factory, family) for family in FAMILIES}
+    dirs[KNOB_OFF] = _patched(_tiny_templates, tmp_path_factory, "qwen2_moe", "--no-coalesce")
+    records = verify_dirs(list(dirs.values()), TP, timeout=900)
+    return {key: (d, r) for (key, d), r in zip(dirs.items(), records)}
 
 
 def _report(verified, family) -> dict:
     _, record = verified[family]
     return record["families"][family]
-
-
-@pytest.fixture(scope="session")
-def knob_off(_tiny_templates, tmp_path_factory):
-    """`patch --no-coalesce` then `python -m codegen verify --tp 2 --json` (a real process)."""
-    directory = _patched(_tiny_templates, tmp_path_factory, "qwen2_moe", "--no-coalesce")
-    out = directory.parent / "verify.json"
-    proc = run_codegen("verify", directory, "--tp", TP, "--json", out, timeout=900)
-    assert out.exists(), proc.stdout + proc.stderr
-    return directory, proc, json.loads(out.read_text())
 
 
 def test_the_shapes_here_are_the_tiny_examples():
@@ -181,22 +177,15 @@ def test_inserted_reduction_backward_passes_the_gradient_through(verified, famil
         assert grad["grad_identity"] is True
 
 
-def test_knob_off_keeps_deepspeeds_reductions_and_verify_exits_6(knob_off):
+def test_knob_off_keeps_deepspeeds_reductions_and_fails_verify(verified):
     """`patch --no-coalesce`: correct results with DeepSpeed's per-layer reductions; verify reports the
-    MoE layers that do not get the one-reduction treatment and exits 6."""
+    MoE layers that do not get the one-reduction treatment."""
     from codegen.families import KNOB
 
-    directory, proc, record = knob_off
+    directory, record = verified[KNOB_OFF]
     assert json.loads((directory / "config.json").read_text())[KNOB] is False
-    assert proc.returncode == VERIFY_FAILED, proc.stdout + proc.stderr
-    assert f"verify {directory} (tp=2, world=2" in proc.stdout  # the report is still printed
-    for row in ("codegen", "stock", "no-policy"):
-        assert any(line.split()[:1] == [row] for line in proc.stdout.splitlines()), proc.stdout
-    fails = [line for line in proc.stderr.splitlines() if line.startswith("FAIL ")]
-    assert fails == [f"FAIL {p}" for p in record["problems"]] and record["ok"] is False
-    assert proc.stderr.rstrip().splitlines()[-1].startswith("error: ")
-    assert "expected 1 each" in proc.stderr or "routed experts hold" in proc.stderr
-    assert "OK:" not in proc.stdout and "Traceback" not in proc.stderr
+    assert record["ok"] is False
+    assert any("expected 1 each" in p or "routed experts hold" in p for p in record["problems"])
     report = record["families"]["qwen2_moe"]
     for off, stock in zip(report["codegen"], report["stock"]):
         assert off["maxdiff"] <= TOL and off["same_tokens"] is True
@@ -211,6 +200,26 @@ def test_knob_off_keeps_deepspeeds_reductions_and_verify_exits_6(knob_off):
         assert per_expert or unsharded
     for r in report["no-policy"]:
         assert r["maxdiff"] == 0.0 and r["allreduce_per_forward"] == 0
+
+
+@pytest.mark.once
+def test_verify_command_on_the_knob_off_dir_exits_6_with_its_report(verified):
+    """The command as a user runs it: report on stdout, one FAIL line per problem, one error line, exit 6."""
+    directory, batched = verified[KNOB_OFF]
+    out = directory.parent / "verify.json"
+    proc = run_codegen("verify", directory, "--tp", TP, "--json", out, timeout=900)
+    assert proc.returncode == VERIFY_FAILED, proc.stdout + proc.stderr
+    record = json.loads(out.read_text())
+    assert record["schema"] == "codegen-result/1" and record["ok"] is False
+    assert f"verify {directory} (tp=2, world=2" in proc.stdout  # the report is still printed
+    for row in ("codegen", "stock", "no-policy"):
+        assert any(line.split()[:1] == [row] for line in proc.stdout.splitlines()), proc.stdout
+    fails = [line for line in proc.stderr.splitlines() if line.startswith("FAIL ")]
+    assert fails == [f"FAIL {p}" for p in record["problems"]] and fails
+    assert proc.stderr.rstrip().splitlines()[-1].startswith("error: ")
+    assert "OK:" not in proc.stdout and "Traceback" not in proc.stderr
+    # the same figures as the batched launch: one worker, one check
+    assert record["problems"] == batched["problems"]
 
 
 def test_verify_refuses_an_unpatched_dir_and_a_bad_world(make_dir):
