@@ -91,7 +91,8 @@ def _add_revert(sub) -> None:
 
 def _add_verify(sub) -> None:
     p = sub.add_parser("verify", help="run the patched dir on N local CPU ranks and report")
-    p.add_argument("model_dir", type=Path, metavar="MODEL_DIR", help="a patched model dir")
+    p.add_argument("model_dir", type=Path, nargs="+", metavar="MODEL_DIR",
+                   help="patched model dirs (several are verified in one launch of the ranks)")
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--world", type=int, default=None, help="ranks to start (default: --tp)")
     p.add_argument("--json", type=Path, help="also write the report as JSON")
@@ -119,6 +120,12 @@ def _add_demo(sub) -> None:
     _debug_flag(p, top=False)
 
 
+def _add_shm(sub) -> None:
+    from codegen import shm
+
+    _debug_flag(shm.add_parser(sub), top=False)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m codegen",
@@ -128,7 +135,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"codegen {__version__}")
     _debug_flag(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_patch, _add_revert, _add_verify, _add_bench, _add_demo):
+    for add in (_add_patch, _add_revert, _add_verify, _add_bench, _add_demo, _add_shm):
         add(sub)
     return parser
 
@@ -208,12 +215,19 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return cmd_demo(args)
 
 
+def _cmd_shm(args: argparse.Namespace) -> int:
+    from codegen import shm
+
+    return shm.run(args)
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "patch": cmd_patch,
     "revert": cmd_revert,
     "verify": _cmd_verify,
     "bench": _cmd_bench,
     "demo": _cmd_demo,
+    "shm": _cmd_shm,
 }
 
 

@@ -32,21 +32,9 @@ class Progress:
 
 def patch_dir(path: Path, coalesce: bool = True) -> str:
     """Patch `path` in place, as `python -m codegen patch` does; return the one-line summary it prints."""
-    # TODO(lead): codegen.api.patch -- replace this body with the API call at merge
-    from codegen.modeldir import ModelDir
-    from codegen.plan import make_plan
+    from codegen import api
 
-    target = ModelDir(path)
-    target.check_exists()
-    with target.locked():
-        plan = make_plan(target, None, coalesce=coalesce)
-        manifest = target.manifest()
-        if manifest is not None and all(target.current_bytes(n) == data for n, data in plan.files.items()):
-            return f"{target.path}: unchanged"
-        target.apply(plan.files, plan.manifest_info, manifest, force=False)
-    return (f"{target.path}: patched {plan.family.model_type} ({plan.rewrite.moe_class}.forward reduces "
-            f"`{plan.rewrite.reduced_variable}` once, line {plan.rewrite.anchor_line} of {plan.source.origin_path}); "
-            f"wrote {', '.join(sorted(plan.files))}")
+    return api.patch(path, coalesce=coalesce).summary
 
 
 def build_examples(families: tuple[str, ...], size: str, root: Path, progress: Progress) -> dict[str, Path]:
