@@ -129,6 +129,8 @@ class Family:
     #: hub-style remote code of this family the regression matrix covers: fixture dirs under tests/fixtures/
     #: (one `modeling_*.py`, shipped next to its `configuration_*.py`)
     remote_code_fixtures: tuple[str, ...] = ()
+    #: unsupported model types built on this family's MoE block (named as the nearest family when refused)
+    relatives: tuple[str, ...] = ()
     #: config keys that say which decoder layers hold an MoE block (`patch` refuses a config with none):
     #: the layer count; a list of dense-only layer indices; "MoE when (i + 1) % step == 0"; "dense below k";
     #: "MoE when i % freq == 0"
@@ -239,6 +241,7 @@ FAMILIES: dict[str, Family] = {
                            "intermediate_size"),
         bench_label="Qwen3-30B-A3B-like",
         known_good=("4.51.3", "4.54.1", "4.55.4", "4.57.6", "5.0.0", "5.24.0"),
+        relatives=("qwen3_next", "qwen3_vl_moe", "qwen3_omni_moe"),
     ),
     "mixtral": Family(
         model_type="mixtral",
@@ -260,6 +263,7 @@ FAMILIES: dict[str, Family] = {
         moe_block_attrs=("mlp", "block_sparse_moe"),
         bench_label="Mixtral-8x7B-like",
         known_good=("4.36.2", "4.45.2", "4.51.3", "4.54.1", "4.55.4", "4.57.6", "5.0.0", "5.24.0"),
+        relatives=("minimax", "phimoe"),
     ),
     "deepseek_v3": Family(
         model_type="deepseek_v3",
@@ -282,6 +286,7 @@ FAMILIES: dict[str, Family] = {
         attention_replicated=("q_a_proj", "kv_a_proj_with_mqa"),
         bench_label="DeepSeek-V3-like",
         known_good=("4.51.3", "4.54.1", "4.55.4", "4.57.6", "5.0.0", "5.24.0"),
+        relatives=("longcat_flash",),
     ),
     "glm4_moe": Family(
         model_type="glm4_moe",
@@ -303,6 +308,7 @@ FAMILIES: dict[str, Family] = {
                            "intermediate_size"),
         bench_label="GLM-4.5-Air-like",
         known_good=("4.54.1", "4.55.4", "4.57.6", "5.0.0", "5.24.0"),
+        relatives=("glm4v_moe", "glm4_moe_lite"),
     ),
     "gpt_oss": Family(
         model_type="gpt_oss",

@@ -125,11 +125,23 @@ def family_of(config: dict, directory: Path) -> Family:
     raw = config.get("model_type")
     key = normalise_model_type(raw)
     if key is None:
-        supported = ", ".join(sorted(FAMILIES))
-        raise BadInput(f"{directory / CONFIG}: model_type {raw!r} is not supported (supported: {supported})")
+        raise BadInput(f"{directory / CONFIG}: model_type {raw!r} is not supported yet{_nearest(raw)}; "
+                       f"stock DeepSpeed AutoTP still runs the unpatched dir (supported: {', '.join(FAMILIES)})")
     family = FAMILIES[key]
     _validate_sizes(config, family, directory)
     return family
+
+
+def _nearest(raw: object) -> str:
+    """`qwen3_next` -> ` (nearest supported family: qwen3_moe)`: the table's relatives, else a near spelling."""
+    if not isinstance(raw, str):
+        return ""
+    import difflib
+
+    key = raw.strip().lower().replace("-", "_")
+    related = [name for name, family in FAMILIES.items() if key in family.relatives]
+    close = related or difflib.get_close_matches(key, list(FAMILIES), n=1, cutoff=0.8)
+    return f" (nearest supported family: {close[0]})" if close else ""
 
 
 def _sizes(config: dict) -> dict:
@@ -236,6 +248,10 @@ def resolve_inputs(model_dir: ModelDir, source_override: Path | None, coalesce: 
     shipped = frozenset(p.stem for p in model_dir.path.glob("*.py"))
     source = resolve_source(family, config, lambda name: model_dir.original_bytes(name, manifest), shipped,
                             source_override)
+    if family.quantized_forms:
+        from codegen.quantization import refuse_unsupported_quantization
+
+        refuse_unsupported_quantization(config, family, source.transformers_version, model_dir.path / CONFIG)
     if coalesce is None:
         coalesce = current_knob(model_dir, manifest)
     notices = []

@@ -317,3 +317,41 @@ def test_source_hints_for_modular_files_and_config_paths(tmp_path):
     assert r.returncode == 3 and "modeling_qwen2_moe.py" in _one_line(r)
     r = run_codegen("patch", d / "config.json")
     assert r.returncode == 2 and "pass the directory that holds it" in _one_line(r)
+
+
+@pytest.mark.parametrize("model_type, nearest", [("qwen3_next", "qwen3_moe"), ("qwen2moe", "qwen2_moe"),
+                                                 ("llama", None)])
+def test_unsupported_model_type_names_the_nearest_family_and_stock_autotp(tmp_path, model_type, nearest):
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": model_type}))
+    before = tree_digest(d)
+    r = run_codegen("patch", d)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "not supported yet" in r.stderr and "stock DeepSpeed AutoTP still runs the unpatched dir" in r.stderr
+    assert (f"nearest supported family: {nearest}" in r.stderr) if nearest else ("nearest" not in r.stderr)
+    assert tree_digest(d) == before
+
+
+@pytest.mark.cli  # its answer depends on the installed transformers: both environments run it
+def test_quantized_form_below_its_verified_release_is_refused(tmp_path):
+    """gpt-oss MXFP4 loads into a patched dir only from the release the table names; below it, one line."""
+    from codegen.families import FAMILIES
+    from codegen.source import installed_transformers_version
+    from packaging.version import Version
+
+    (name, family), = [(n, f) for n, f in FAMILIES.items() if f.quantized_forms][:1]
+    form = family.quantized_forms[0]
+    d = tmp_path / "q"
+    d.mkdir()
+    config = {"model_type": name, "quantization_config": {"quant_method": form.quant_method},
+              **{k: 2 for k in family.positive_int_keys}, family.num_experts_keys[0]: 4}
+    (d / "config.json").write_text(json.dumps(config))
+    before = tree_digest(d)
+    r = run_codegen("patch", "--diff", d)
+    if Version(installed_transformers_version()) < Version(form.min_transformers):
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert form.quant_method in r.stderr and form.min_transformers in r.stderr
+    else:
+        assert r.returncode == 0, r.stderr
+    assert tree_digest(d) == before
