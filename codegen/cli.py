@@ -115,7 +115,7 @@ def _add_bench(sub) -> None:
 
 
 def _add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="build, patch and run small example dirs of both families on 2 CPU ranks")
+    p = sub.add_parser("demo", help="build, patch and run small example dirs of every family on 2 CPU ranks")
     p.add_argument("--workdir", type=Path, help="where to build the example dirs (default: a temp dir)")
     _debug_flag(p, top=False)
 
