@@ -242,6 +242,8 @@ FAMILIES: dict[str, Family] = {
         bench_label="Qwen3-30B-A3B-like",
         known_good=("4.51.3", "4.54.1", "4.55.4", "4.57.6", "5.0.0", "5.24.0"),
         relatives=("qwen3_next", "qwen3_vl_moe", "qwen3_omni_moe"),
+        dense_layers_key="mlp_only_layers",
+        sparse_step_key="decoder_sparse_step",
     ),
     "mixtral": Family(
         model_type="mixtral",
@@ -287,6 +289,7 @@ FAMILIES: dict[str, Family] = {
         bench_label="DeepSeek-V3-like",
         known_good=("4.51.3", "4.54.1", "4.55.4", "4.57.6", "5.0.0", "5.24.0"),
         relatives=("longcat_flash",),
+        first_dense_key="first_k_dense_replace",
     ),
     "glm4_moe": Family(
         model_type="glm4_moe",
@@ -309,6 +312,7 @@ FAMILIES: dict[str, Family] = {
         bench_label="GLM-4.5-Air-like",
         known_good=("4.54.1", "4.55.4", "4.57.6", "5.0.0", "5.24.0"),
         relatives=("glm4v_moe", "glm4_moe_lite"),
+        first_dense_key="first_k_dense_replace",
     ),
     "gpt_oss": Family(
         model_type="gpt_oss",

@@ -126,7 +126,7 @@ def family_of(config: dict, directory: Path) -> Family:
     key = normalise_model_type(raw)
     if key is None:
         raise BadInput(f"{directory / CONFIG}: model_type {raw!r} is not supported yet{_nearest(raw)}; "
-                       f"stock DeepSpeed AutoTP still runs the unpatched dir (supported: {', '.join(FAMILIES)})")
+                       f"stock DeepSpeed AutoTP still runs the unpatched dir (supported: {', '.join(sorted(FAMILIES))})")
     family = FAMILIES[key]
     _validate_sizes(config, family, directory)
     return family

@@ -26,8 +26,18 @@ pytestmark = pytest.mark.runtime
 
 TP = 2
 TOL = 1e-5
-#: (attention blocks, MoE blocks, dense MLP blocks) of the tiny checkpoints (codegen.examples SHAPES["tiny"])
-SHAPE = {"qwen2_moe": (2, 2, 0), "deepseek_v2": (2, 1, 1)}
+def _blocks(family: str) -> tuple[int, int, int]:
+    """(attention blocks, MoE blocks, dense MLP blocks) of a tiny checkpoint (codegen.examples SHAPES["tiny"])."""
+    from codegen.examples import SHAPES
+    from codegen.families import FAMILIES as TABLE
+    from codegen.plan import moe_layers
+
+    config, table = SHAPES["tiny"][family], TABLE[family]
+    layers, moe = config[table.num_layers_key], len(moe_layers(config, table))
+    return layers, moe, layers - moe
+
+
+SHAPE = {family: _blocks(family) for family in FAMILIES}
 VERIFY_FAILED = 6
 
 
