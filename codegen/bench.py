@@ -1,15 +1,17 @@
 """`python -m codegen bench`: stock AutoTP (a) vs the patched dir (b) vs one process (c), same ranks, same inputs.
 
-One torchrun launch holds, on every rank, both tensor-parallel models of a family side by side:
-(a) the unpatched dir under stock `deepspeed.init_inference(tensor_parallel=...)` and (b) the patched
-dir under its generated `autotp_policy.init_inference`. Every timed unit (a prefill, a decode step)
-is run for a and b back to back, in ABBA order (a,b then b,a, ...), each after a barrier, so both
+One launch (codegen.runtime.launch) holds, on every rank, both tensor-parallel models of a family side
+by side: (a) the unpatched dir under stock `deepspeed.init_inference(tensor_parallel=...)` and (b) the
+patched dir under its generated `autotp_policy.init_inference`. Every timed unit (a prefill, a decode
+step) is run for a and b back to back, in ABBA order (a,b then b,a, ...), each after a barrier, so both
 see the same load on this shared machine, the same processes, threads, input tensors and cache
 lengths. (c), the unsharded unpatched model run by each rank alone (no collectives), is the
 numerical reference; its greedy tokens are also the decode inputs fed to a and b (teacher forcing),
-so a and b decode exactly the same sequence.
+so a and b decode exactly the same sequence. This is the `ab` phase of codegen.tp_worker; pass/fail
+is codegen.checks.ab_problems, the record codegen.results' schema.
 
-Also timed: `python -m codegen patch DIR`, a cold process per model dir.
+Also timed: `python -m codegen patch DIR`, a cold process per model dir (a measurement of the CLI on
+a scratch copy; the dirs the bench runs are patched through codegen.harness.patch_dir).
 
 `python -m codegen.bench merge A.json B.json --markdown T.md --chart C.png` combines runs from
 several environments (one per transformers version) into one table and chart.
@@ -20,22 +22,30 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 from codegen import __version__, errors
+from codegen.checks import TOLERANCE, ab_problems
 from codegen.errors import BadInput, CodegenError, IOFailure, VerifyFailed
+from codegen.families import FAMILIES
+from codegen.harness import (
+    Progress,
+    ab_spec,
+    check_device,
+    check_runtime_installed,
+    make_workdir,
+    prepare_examples,
+)
+from codegen.results import record as result_record
+from codegen.results import summarise_ab
 
-FAMILIES = ("qwen2_moe", "deepseek_v2")
 METHOD = {
-    "schedule": "one torchrun launch; on every rank (a) and (b) are loaded side by side and each timed unit "
+    "schedule": "one launch; on every rank (a) and (b) are loaded side by side and each timed unit "
                 "(prefill, decode step) runs a then b or b then a (ABBA), each after a barrier",
     "inputs": "same random prompt for a, b, c; decode tokens forced to (c)'s greedy tokens so a and b decode the "
               "same sequence",
@@ -46,8 +56,6 @@ METHOD = {
                             "while loading, every rank holds the full checkpoint (load_peak_bytes) in a and b alike",
     "reference": "(c): the unpatched model, unsharded, float32, run by each rank alone (no collectives)",
 }
-TOLERANCE = 1e-5  # max |logits - reference| for the patched dir (fp32 on CPU)
-PROGRESS = "@@codegen-progress "
 
 #: run sizes: `smoke` is the CI run (counts asserted, timings recorded but meaningless), `full` the recorded one
 SETTINGS: dict[str, dict] = {
@@ -61,524 +69,38 @@ SETTINGS: dict[str, dict] = {
 }
 
 
-# ------------------------------------------------------------------------------------------------ progress
-
-
-class Progress:
-    """`[  12.3s] message` lines on stderr: the steps that take seconds say so, no extra dependency."""
-
-    def __init__(self, quiet: bool = False) -> None:
-        self.t0 = time.monotonic()
-        self.quiet = quiet
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self.t0
-
-    def __call__(self, message: str) -> None:
-        if not self.quiet:
-            print(f"[{self.elapsed():6.1f}s] {message}", file=sys.stderr, flush=True)
-
-
-# ------------------------------------------------------------------------------------------- launching ranks
-
-
-def launch(spec: dict, world: int, timeout: float, progress: Progress, device: str = "cpu") -> list[dict]:
-    """Run this module's worker on `world` local ranks (torchrun); return each rank's result (rank order).
-
-    Rank 0's progress lines are shown as they come; any failure is one line (VerifyFailed).
-    """
-    from codegen.runtime import _last_error_line, extensions_dir, free_port, remove_shm_buffers
-
-    with tempfile.TemporaryDirectory(prefix="codegen-bench-ranks-") as out:
-        spec_path = Path(out, "spec.json")
-        spec_path.write_text(json.dumps(spec))
-        port = free_port()
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
-            "--master_addr", "127.0.0.1", "--master_port", str(port),
-            "-m", "codegen.bench", "worker", "--spec", str(spec_path), "--out", out,
-        ]
-        threads = max(1, (os.cpu_count() or 2) // world)
-        env = {**os.environ, "LOCAL_SIZE": str(world), "OMP_NUM_THREADS": str(threads),
-               "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1",
-               "TRANSFORMERS_VERBOSITY": "error", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
-        if device == "cpu":
-            env.setdefault("CUDA_VISIBLE_DEVICES", "")
-        env.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
-        if device == "cpu" and not shm_op_built(env["TORCH_EXTENSIONS_DIR"]):
-            progress("first run in this environment: DeepSpeed JIT-compiles its CPU shared-memory all-reduce "
-                     f"into {env['TORCH_EXTENSIONS_DIR']} (once; 1-3 minutes on 2 cores)")
-        try:
-            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    start_new_session=True)
-        except OSError as exc:
-            raise IOFailure(f"cannot start torchrun: {exc.strerror}") from None
-        lines: list[str] = []
-
-        def pump() -> None:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                at = line.find(PROGRESS)  # ranks share the pipe: another rank's partial line may precede it
-                if at >= 0:
-                    progress(line[at + len(PROGRESS):].rstrip())
-                    line = line[:at]
-                if line.strip():
-                    lines.append(line)
-                    del lines[:-400]
-
-        reader = threading.Thread(target=pump, daemon=True)
-        reader.start()
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            raise VerifyFailed(f"benchmark ranks timed out after {timeout:.0f}s") from None
-        except KeyboardInterrupt:
-            _kill_group(proc)
-            raise
-        finally:
-            remove_shm_buffers(port)
-        reader.join(timeout=5)
-        results = []
-        for rank in range(world):
-            err = Path(out, f"rank{rank}.error")
-            if err.exists():
-                raise VerifyFailed(f"benchmark rank {rank} failed: {err.read_text().strip().splitlines()[0][:300]}")
-        for rank in range(world):
-            path = Path(out, f"rank{rank}.json")
-            if not path.exists():
-                tail = _last_error_line("".join(lines))
-                raise VerifyFailed(f"benchmark ranks failed (exit {proc.returncode}): {tail}")
-            results.append(json.loads(path.read_text()))
-        return results
-
-
-def shm_op_built(directory: str | None = None) -> bool:
-    from codegen.runtime import extensions_dir
-
-    return bool(list(Path(directory or extensions_dir()).glob("deepspeed_shm_comm/*.so")))
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-# ------------------------------------------------------------------------------------------ the rank worker
-
-
-def _worker(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="python -m codegen.bench worker")
-    ap.add_argument("--spec", required=True)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        _worker_main(json.loads(Path(args.spec).read_text()), Path(args.out))
-    except BaseException as exc:  # one line for the parent, then fail the rank
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        Path(args.out, f"rank{rank}.error").write_text(f"{type(exc).__name__}: {message}\n")
-        raise
-
-
-def _worker_main(spec: dict, out: Path) -> None:
-    import importlib.util
-
-    import torch
-
-    import deepspeed
-    import deepspeed.comm as dist
-    from codegen.families import FAMILIES as KNOWN
-    from codegen.tp_worker import AllReduceCounter, cache_of, has_remote_code, load, param_bytes
-
-    device_kind = spec["device"]
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device_kind == "cuda":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-    deepspeed.init_distributed(dist_backend="gloo" if device_kind == "cpu" else "nccl")
-    rank = dist.get_rank()
-    tp = spec["tp"]
-    dtype = getattr(torch, spec["dtype"])
-    t_start = time.monotonic()
-
-    def say(message: str) -> None:
-        if rank == 0:
-            print(f"{PROGRESS}{message}", flush=True)
-
-    def sync() -> None:
-        if device_kind == "cuda":
-            torch.cuda.synchronize()
-
-    counter = AllReduceCounter()
-    counter.install()
-    results: dict = {"rank": rank, "world_size": dist.get_world_size(), "families": {}}
-    if device_kind == "cuda":
-        results["gpu"] = torch.cuda.get_device_name(device)
-
-    steps, warmup, repeats = spec["decode_steps"], spec["warmup"], spec["prefill_repeats"]
-    for item in spec["models"]:
-        family = item["family"]
-        moe_names = KNOWN[family].moe_classes
-        config = json.loads(Path(item["unpatched"], "config.json").read_text())
-        ids = torch.randint(0, config["vocab_size"], (spec["batch"], spec["prompt_len"]),
-                            generator=torch.Generator().manual_seed(1)).to(device)
-
-        # (c) the reference: the unsharded unpatched model, fp32, this rank alone
-        say(f"{family}: (c) single-process reference: prefill {spec['prompt_len']} tokens + "
-            f"{warmup + steps} greedy decode steps")
-        ref = load(item["unpatched"], has_remote_code(item["unpatched"]), torch.float32).to(device)
-        ref_steps_logits, forced, ref_prefill_s, ref_decode_s = [], [], [], []
-        with torch.no_grad():
-            sync()
-            t0 = time.perf_counter()
-            out_ref = ref(ids, use_cache=True)
-            sync()
-            ref_prefill_s.append(time.perf_counter() - t0)
-            ref_logits = out_ref.logits.float().cpu()
-            cache = cache_of(out_ref)
-            token = out_ref.logits[:, -1:].argmax(-1)
-            for _ in range(warmup + steps):
-                forced.append(token)
-                sync()
-                t0 = time.perf_counter()
-                o = ref(token, past_key_values=cache, use_cache=True)
-                sync()
-                ref_decode_s.append(time.perf_counter() - t0)
-                ref_steps_logits.append(o.logits.float().cpu())
-                cache = cache_of(o)
-                token = o.logits[:, -1:].argmax(-1)
-        full = param_bytes(ref)
-        del ref, out_ref, cache, o
-
-        # (a) stock AutoTP on the unpatched dir, (b) the patched dir with its generated policy
-        say(f"{family}: loading (a) stock deepspeed.init_inference and (b) codegen policy on {tp} ranks")
-        stock = load(item["unpatched"], has_remote_code(item["unpatched"]), dtype)
-        stock = deepspeed.init_inference(stock, tensor_parallel={"tp_size": tp}, dtype=dtype,
-                                         replace_with_kernel_inject=False).module
-        ours = load(item["patched"], True, dtype)
-        spec_mod = importlib.util.spec_from_file_location(f"codegen_bench_policy_{family}",
-                                                          os.path.join(item["patched"], "autotp_policy.py"))
-        policy = importlib.util.module_from_spec(spec_mod)
-        spec_mod.loader.exec_module(policy)
-        ours = policy.init_inference(ours, tp_size=tp, dtype=dtype).module
-        models = {"stock": stock, "codegen": ours}
-
-        # per-MoE-block all-reduce counters (hooks at block entry/exit)
-        blocks, block_counts = {}, {}
-        for mode, model in models.items():
-            blocks[mode] = [m for m in model.modules() if type(m).__name__ in moe_names]
-            block_counts[mode] = [0] * len(blocks[mode])
-            for i, block in enumerate(blocks[mode]):
-                mark = {}
-
-                def pre(_m, _a, mark=mark):
-                    mark["n"] = counter.calls
-
-                def post(_m, _a, _o, mode=mode, i=i, mark=mark):
-                    block_counts[mode][i] += counter.calls - mark["n"]
-
-                block.register_forward_pre_hook(pre)
-                block.register_forward_hook(post)
-
-        record = {m: {"bytes": param_bytes(model), "moe_blocks": len(blocks[m])} for m, model in models.items()}
-        order = lambda k: ("stock", "codegen") if k % 2 == 0 else ("codegen", "stock")  # noqa: E731  ABBA
-
-        def run(mode, *a, **kw):
-            dist.barrier()
-            before = counter.calls
-            blocks_before = list(block_counts[mode])
-            sync()
-            t0 = time.perf_counter()
-            output = models[mode](*a, **kw)
-            sync()
-            elapsed = time.perf_counter() - t0
-            per_block = [x - y for x, y in zip(block_counts[mode], blocks_before)]
-            return output, elapsed, counter.calls - before, per_block
-
-        say(f"{family}: prefill {spec['prompt_len']} tokens x {warmup} warm-up + {repeats} timed, a/b alternating")
-        with torch.no_grad():
-            for k in range(warmup):
-                for mode in order(k):
-                    run(mode, ids)
-            for mode in models:
-                output, _, calls, per_block = run(mode, ids)
-                record[mode].update(
-                    prefill_allreduce=calls,
-                    prefill_allreduce_per_moe_block=per_block,
-                    prefill_maxdiff=(output.logits.float().cpu() - ref_logits).abs().max().item(),
-                    prefill_s=[],
-                )
-            for k in range(repeats):
-                for mode in order(k):
-                    _, elapsed, _, _ = run(mode, ids)
-                    record[mode]["prefill_s"].append(elapsed)
-
-            say(f"{family}: decode {warmup} warm-up + {steps} timed steps, a/b alternating every step")
-            caches = {}
-            for mode in models:
-                output, _, _, _ = run(mode, ids, use_cache=True)
-                caches[mode] = cache_of(output)
-                record[mode].update(decode_s=[], decode_allreduce=[], decode_allreduce_per_moe_block=[],
-                                    decode_maxdiff=0.0)
-            for k in range(warmup + steps):
-                for mode in order(k):
-                    output, elapsed, calls, per_block = run(mode, forced[k], past_key_values=caches[mode],
-                                                            use_cache=True)
-                    caches[mode] = cache_of(output)
-                    r = record[mode]
-                    diff = (output.logits.float().cpu() - ref_steps_logits[k]).abs().max().item()
-                    r["decode_maxdiff"] = max(r["decode_maxdiff"], diff)
-                    if k >= warmup:
-                        r["decode_s"].append(elapsed)
-                        r["decode_allreduce"].append(calls)
-                        r["decode_allreduce_per_moe_block"].append(per_block)
-        results["families"][family] = {
-            "num_layers": config["num_hidden_layers"],
-            "full_bytes": full,
-            "reference": {"prefill_s": ref_prefill_s, "decode_s": ref_decode_s[warmup:]},
-            **record,
-        }
-        models.clear()
-        del stock, ours, caches, output
-        say(f"{family}: done ({time.monotonic() - t_start:.0f}s on the ranks so far)")
-    out.mkdir(parents=True, exist_ok=True)
-    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
-    dist.barrier()
-
-
-# ---------------------------------------------------------------------------------------------- summarising
-
-
-def _quantile(values: list[float], q: float) -> float:
-    data = sorted(values)
-    if not data:
-        return float("nan")
-    pos = (len(data) - 1) * q
-    lo, hi = int(pos), min(int(pos) + 1, len(data) - 1)
-    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
-
-
-def _spread(values: list[float]) -> dict:
-    return {
-        "n": len(values),
-        "median": statistics.median(values) if values else float("nan"),
-        "p25": _quantile(values, 0.25),
-        "p75": _quantile(values, 0.75),
-        "min": min(values) if values else float("nan"),
-        "max": max(values) if values else float("nan"),
-        "stdev": statistics.stdev(values) if len(values) > 1 else 0.0,
-    }
-
-
-def _slowest(ranks: list[list[float]]) -> list[float]:
-    """Per timed unit, the slowest rank: a TP step is done when every rank is."""
-    return [max(column) for column in zip(*ranks)]
-
-
-def summarise(ranks: list[dict], configs: dict[str, dict]) -> dict:
-    families = {}
-    for family, first in ranks[0]["families"].items():
-        per_rank = [r["families"][family] for r in ranks]
-        moe_layers = first["codegen"]["moe_blocks"]
-        entry = {
-            "shape": configs[family],
-            "num_layers": first["num_layers"],
-            "moe_layers": moe_layers,
-            "load_peak_bytes": first["full_bytes"],
-            "reference": {
-                "prefill": _spread(_slowest([r["reference"]["prefill_s"] for r in per_rank])),
-                "decode": _spread(_slowest([r["reference"]["decode_s"] for r in per_rank])),
-            },
-        }
-        for mode in ("stock", "codegen"):
-            rs = [r[mode] for r in per_rank]
-            m = rs[0]
-            counts_agree = all(
-                r["prefill_allreduce"] == m["prefill_allreduce"] and r["decode_allreduce"] == m["decode_allreduce"]
-                for r in rs
-            )
-            decode_blocks = [c for step in m["decode_allreduce_per_moe_block"] for c in step]
-            entry[mode] = {
-                "allreduce_prefill": m["prefill_allreduce"],
-                "allreduce_prefill_per_moe_layer": m["prefill_allreduce_per_moe_block"],
-                "allreduce_prefill_per_moe_layer_mean": _mean(m["prefill_allreduce_per_moe_block"]),
-                "allreduce_decode_step": _spread([float(c) for c in m["decode_allreduce"]]),
-                "allreduce_decode_per_moe_layer_mean": _mean(decode_blocks),
-                "allreduce_decode_per_moe_layer_max": max(decode_blocks, default=0),
-                "counts_same_on_all_ranks": counts_agree,
-                "prefill": _spread(_slowest([r["prefill_s"] for r in rs])),
-                "decode": _spread(_slowest([r["decode_s"] for r in rs])),
-                "param_bytes_per_rank": {
-                    "experts": max(r["bytes"]["experts"] for r in rs),
-                    "rest": max(r["bytes"]["rest"] for r in rs),
-                    "total": max(r["bytes"]["total"] for r in rs),
-                },
-                "maxdiff_prefill": max(r["prefill_maxdiff"] for r in rs),
-                "maxdiff_decode": max(r["decode_maxdiff"] for r in rs),
-            }
-        a, b = entry["stock"], entry["codegen"]
-        entry["ratio_b_over_a"] = {
-            "allreduce_prefill": _ratio(b["allreduce_prefill"], a["allreduce_prefill"]),
-            "allreduce_decode_step": _ratio(b["allreduce_decode_step"]["median"], a["allreduce_decode_step"]["median"]),
-            "decode_median": _ratio(b["decode"]["median"], a["decode"]["median"]),
-            "prefill_median": _ratio(b["prefill"]["median"], a["prefill"]["median"]),
-            "expert_bytes": _ratio(b["param_bytes_per_rank"]["experts"], a["param_bytes_per_rank"]["experts"]),
-            "rest_bytes": _ratio(b["param_bytes_per_rank"]["rest"], a["param_bytes_per_rank"]["rest"]),
-        }
-        families[family] = entry
-    return families
-
-
-def _mean(values) -> float:
-    values = list(values)
-    return sum(values) / len(values) if values else 0.0
-
-
-def _ratio(b: float, a: float) -> float | None:
-    return b / a if a else None
-
-
-def problems(record: dict) -> list[str]:
-    """What makes a bench run fail: the patched dir must reduce once per MoE layer and match the reference."""
-    found = []
-    tolerance = record.get("tolerance", TOLERANCE)
-    for family, e in record["families"].items():
-        b = e["codegen"]
-        if b["allreduce_prefill_per_moe_layer"] and any(c != 1 for c in b["allreduce_prefill_per_moe_layer"]):
-            found.append(f"{family}: codegen all-reduces per MoE layer in prefill {b['allreduce_prefill_per_moe_layer']}")
-        if b["allreduce_decode_per_moe_layer_max"] != 1 or b["allreduce_decode_per_moe_layer_mean"] != 1:
-            found.append(f"{family}: codegen all-reduces per MoE layer in decode != 1")
-        if not e["moe_layers"]:
-            found.append(f"{family}: no MoE layers found")
-        for mode in ("stock", "codegen"):
-            if not e[mode]["counts_same_on_all_ranks"]:
-                found.append(f"{family}: {mode} all-reduce counts differ between ranks")
-        worst = max(b["maxdiff_prefill"], b["maxdiff_decode"])
-        if tolerance is not None and worst > tolerance:
-            found.append(f"{family}: codegen logits differ from the single-process model by {worst:.2e} > {tolerance:g}")
-    return found
-
-
-# --------------------------------------------------------------------------------------------- environment
-
-
-def machine_info(device: str) -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    def ver(name: str) -> str | None:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return None
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in lscpu.splitlines():
-            if line.startswith("Model name:"):
-                cpu = line.split(":", 1)[1].strip()
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-    ram = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                ram = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "ram_bytes": ram,
-        "os": f"{platform.system()} {platform.release()}",
-        "python": platform.python_version(),
-        "torch": ver("torch"),
-        "deepspeed": ver("deepspeed"),
-        "transformers": ver("transformers"),
-        "device": device,
-    }
-
-
-def _check_device(device: str, tp: int) -> None:
-    if device != "cuda":
-        return
-    import torch
-
-    if not torch.cuda.is_available():
-        raise BadInput("--device cuda: no CUDA GPU is visible to torch (torch.cuda.is_available() is False)")
-    if torch.cuda.device_count() < tp:
-        raise BadInput(f"--device cuda: --tp {tp} needs {tp} GPUs, {torch.cuda.device_count()} visible")
-
-
-# --------------------------------------------------------------------------------------------------- driver
-
-
-def build_examples(families: tuple[str, ...], size: str, root: Path, progress: Progress) -> dict[str, Path]:
-    """Random hub-format checkpoints (codegen.examples), built in a child process: root/<family>/unpatched."""
-    from codegen.runtime import _last_error_line
-
-    progress(f"building {size} example checkpoints ({', '.join(families)}) with transformers (random weights)")
-    t0 = time.monotonic()
-    build = subprocess.run(
-        [sys.executable, "-c",
-         "import sys; from pathlib import Path; from codegen.examples import build_example\n"
-         "for fam in sys.argv[3:]: build_example(fam, Path(sys.argv[1]) / fam / 'unpatched', size=sys.argv[2])",
-         str(root), size, *families],
-        capture_output=True, text=True, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"},
-    )
-    if build.returncode != 0:
-        raise VerifyFailed(f"building the example checkpoints failed: {_last_error_line(build.stderr + build.stdout)}")
-    progress(f"built {len(families)} checkpoints in {time.monotonic() - t0:.1f}s")
-    return {family: root / family / "unpatched" for family in families}
-
-
-def prepare(families: tuple[str, ...], size: str, root: Path, progress: Progress, patch_trials: int) -> tuple[dict, dict]:
-    """Build each family's random checkpoint, patch a copy in a cold process (timed); return dirs and timings."""
+def run_ab(kind: str, families: tuple[str, ...], tp: int, device: str, root: Path, progress: Progress,
+           echo_patch: bool = False) -> tuple[dict, list[dict], dict]:
+    """Build, patch and run the ab phase of every family in one launch: (entries, rank records, dirs)."""
+    from codegen.examples import shape_of
+    from codegen.runtime import launch, shm_op_cached
+
+    settings = SETTINGS[kind]
+    dirs = prepare_examples(families, settings["size"], root, progress, echo=echo_patch)
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    if device == "cpu" and not shm_op_cached():
+        progress("first run with this Python, torch and DeepSpeed: DeepSpeed JIT-compiles its CPU shared-memory "
+                 "all-reduce (once, kept in codegen's cache dir; 1-3 minutes on 2 cores)")
+    progress(f"starting {tp} {device.upper()} ranks; every timed step runs a and b back to back")
+    ranks = launch(ab_spec(dirs, tp, device, dtype, settings), tp, settings["timeout"], progress, what="benchmark")
+    entries = {f: summarise_ab([r["jobs"][f]["ab"] for r in ranks], shape_of(dirs[f]["unpatched"], f, settings["size"]))
+               for f in families}
+    return entries, ranks, dirs
+
+
+def time_cold_patch(unpatched: Path, scratch: Path, trials: int) -> list[float]:
+    """Wall time of `python -m codegen patch -q` in a cold process (a user's run), on a scratch copy."""
     from codegen.modeldir import copy_with_linked_weights
 
-    built = build_examples(families, size, root, progress)
-    dirs, timing = {}, {}
-    for family in families:
-        unpatched = built[family]
-        patched = root / family / "patched"
-        copy_with_linked_weights(unpatched, patched)
-        trials = []
-        progress(f"{family}: `python -m codegen patch` (cold process) x {max(patch_trials, 1)}")
-        for trial in range(max(patch_trials, 1)):
-            if trial:
-                _codegen("revert", "-q", patched)
-            t0 = time.perf_counter()
-            _codegen("patch", "-q", patched)
-            trials.append(time.perf_counter() - t0)
-        dirs[family] = {"family": family, "unpatched": str(unpatched), "patched": str(patched)}
-        timing[family] = {"trials_s": trials, "median_s": statistics.median(trials)}
-    return dirs, timing
-
-
-def make_workdir(parent: Path, prefix: str) -> Path:
-    """A fresh dir under --workdir (kept afterwards); one line if it cannot be made."""
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
-    except OSError as exc:
-        raise IOFailure(f"--workdir {parent}: {exc.strerror or exc}") from None
-
-
-def check_runtime_installed(what: str) -> None:
-    import importlib.util
-
-    missing = [m for m in ("torch", "transformers", "deepspeed") if importlib.util.find_spec(m) is None]
-    if missing:
-        raise BadInput(f"{what} needs {', '.join(missing)}: install torch, then pip install 'codegen[runtime]'")
+    copy_with_linked_weights(unpatched, scratch)
+    times = []
+    for trial in range(trials):
+        if trial:
+            _codegen("revert", "-q", scratch)
+        t0 = time.perf_counter()
+        _codegen("patch", "-q", scratch)
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def _codegen(*args) -> None:
@@ -598,7 +120,7 @@ def _startup_baseline(trials: int) -> float:
 
 
 def run_bench(kind: str, device: str, tp: int, workdir: Path | None, progress: Progress,
-              families: tuple[str, ...] = FAMILIES) -> dict:
+              families: tuple[str, ...] = tuple(FAMILIES)) -> dict:
     settings = dict(SETTINGS[kind])
     dtype = "bfloat16" if device == "cuda" else "float32"
     started = time.monotonic()
@@ -609,45 +131,40 @@ def run_bench(kind: str, device: str, tp: int, workdir: Path | None, progress: P
         cleanup = tempfile.TemporaryDirectory(prefix=f"codegen-{kind}-")
         root = Path(cleanup.name)
     try:
-        dirs, patch_timing = prepare(families, settings["size"], root, progress, settings["patch_trials"])
-        baseline = _startup_baseline(settings["patch_trials"]) if settings["patch_trials"] else None
-        spec = {
-            "models": [dirs[f] for f in families],
-            "tp": tp,
-            "device": device,
-            "dtype": dtype,
-            **{k: settings[k] for k in ("prompt_len", "batch", "decode_steps", "warmup", "prefill_repeats")},
-        }
-        progress(f"starting {tp} {device.upper()} ranks (torchrun); every timed step runs a and b back to back")
-        compiled = device == "cpu" and not shm_op_built(os.environ.get("TORCH_EXTENSIONS_DIR"))
+        compiled = device == "cpu" and not _shm_cached()
         load_start = _loadavg()
-        ranks = launch(spec, tp, settings["timeout"], progress, device)
+        entries, ranks, dirs = run_ab(kind, families, tp, device, root, progress)
         load_end = _loadavg()
-        configs = {f: json.loads(Path(dirs[f]["unpatched"], "config.json").read_text()) for f in families}
-        shapes = {f: _shape(configs[f]) for f in families}
-        record = {
-            "tool": f"codegen {__version__} bench",
-            "kind": kind,
-            "device": device,
-            "tp": tp,
-            "dtype": dtype,
-            "tolerance": TOLERANCE if dtype == "float32" else None,
-            "method": METHOD,
-            "machine": machine_info(device) | ({"gpu": ranks[0]["gpu"]} if "gpu" in ranks[0] else {})
-            | {"loadavg_1min_before_ranks": load_start, "loadavg_1min_after_ranks": load_end},
-            "deepspeed_cpu_op_compiled_during_run": compiled,
-            "settings": {k: v for k, v in settings.items() if k != "timeout"},
-            "patch_timing": {"startup_baseline_s": baseline, "families": {f: patch_timing[f]["trials_s"] for f in families},
-                             "median_s": {f: patch_timing[f]["median_s"] for f in families}},
-            "families": summarise(ranks, shapes),
-            "wall_s": time.monotonic() - started,
-        }
+        trials = {}
+        if settings["patch_trials"]:
+            for family in families:
+                progress(f"{family}: `python -m codegen patch` (cold process) x {settings['patch_trials']}")
+                trials[family] = time_cold_patch(dirs[family]["unpatched"], root / family / "patch-timing",
+                                                 settings["patch_trials"])
+        baseline = _startup_baseline(settings["patch_trials"]) if settings["patch_trials"] else None
+        tolerance = TOLERANCE if dtype == "float32" else None
+        found = [p for f, e in entries.items() for p in ab_problems(f, e, tolerance)]
+        record = result_record(
+            "bench", kind, device=device, tp=tp, world_size=tp, dtype=dtype, tolerance=tolerance,
+            settings={k: v for k, v in settings.items() if k != "timeout"}, families=entries, problems=found,
+            wall_s=time.monotonic() - started, method=METHOD, deepspeed_cpu_op_compiled_during_run=compiled,
+            patch_timing={"startup_baseline_s": baseline, "families": trials,
+                          "median_s": {f: statistics.median(t) for f, t in trials.items()}},
+        )
+        record["machine"].update({"loadavg_1min_before_ranks": load_start, "loadavg_1min_after_ranks": load_end},
+                                 **({"gpu": ranks[0]["gpu"]} if "gpu" in ranks[0] else {}))
         if workdir is not None:
             record["workdir"] = str(root)
         return record
     finally:
         if cleanup is not None:
             cleanup.cleanup()
+
+
+def _shm_cached() -> bool:
+    from codegen.runtime import shm_op_cached
+
+    return shm_op_cached()
 
 
 def _loadavg() -> float | None:
@@ -657,17 +174,17 @@ def _loadavg() -> float | None:
         return None
 
 
-def _shape(config: dict) -> dict:
-    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "moe_intermediate_size", "num_experts",
-            "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "shared_expert_intermediate_size",
-            "first_k_dense_replace", "kv_lora_rank", "q_lora_rank", "vocab_size", "intermediate_size")
-    return {k: config[k] for k in keys if k in config}
+def problems(record: dict) -> list[str]:
+    """What makes a bench run fail (codegen.checks.ab_problems of every family)."""
+    return [p for f, e in record["families"].items() for p in ab_problems(f, e, record.get("tolerance", TOLERANCE))]
 
 
 # ------------------------------------------------------------------------------------------------- outputs
 
 
-FAMILY_LABEL = {"qwen2_moe": "Qwen1.5-MoE-A2.7B-like", "deepseek_v2": "DeepSeek-V2-Lite-like"}
+def _label(family: str) -> str:
+    known = FAMILIES.get(family)
+    return known.bench_label if known is not None and known.bench_label else family
 
 
 def _records(record_or_merged: dict) -> list[dict]:
@@ -714,7 +231,7 @@ def markdown(record_or_merged: dict) -> str:
         a, b, r = e["stock"], e["codegen"], e["ratio_b_over_a"]
         ab, bb = a["param_bytes_per_rank"], b["param_bytes_per_rank"]
         lines.append(
-            f"| {family} ({FAMILY_LABEL.get(family, family)}) | {rec['machine']['transformers']} "
+            f"| {family} ({_label(family)}) | {rec['machine']['transformers']} "
             f"| {a['allreduce_prefill']} → {b['allreduce_prefill']} ({_fmt_ratio(r['allreduce_prefill'])}) "
             f"| {_count(a['allreduce_prefill_per_moe_layer_mean'])} → {_count(b['allreduce_prefill_per_moe_layer_mean'])} "
             f"| {_count(a['allreduce_decode_step']['median'])} → {_count(b['allreduce_decode_step']['median'])} "
@@ -867,7 +384,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(write_outputs(record, args.json, args.markdown, args.chart), end="")
         return errors.OK
     check_runtime_installed("the benchmark")
-    _check_device(args.device, args.tp)
+    check_device(args.device, args.tp)
     if args.device == "cpu" and args.tp > (os.cpu_count() or 1) * 4:
         raise BadInput(f"--tp {args.tp} is far more ranks than this machine's {os.cpu_count()} cores")
     progress = Progress()
@@ -875,7 +392,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     record = run_bench(kind, args.device, args.tp, args.workdir, progress)
     table = write_outputs(record, args.json, args.markdown, args.chart)
     print(table, end="")
-    found = problems(record)
+    found = record["problems"]
     for p in found:
         print(f"FAIL {p}", file=sys.stderr)
     if found:
@@ -902,9 +419,7 @@ def _merge_main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["worker"]:
-        _worker(sys.argv[2:])
-    elif sys.argv[1:2] == ["merge"]:
+    if sys.argv[1:2] == ["merge"]:
         sys.exit(_merge_main(sys.argv[2:]))
     else:
         print("usage: python -m codegen.bench merge A.json [B.json ...] [--markdown T.md] [--chart C.png] "

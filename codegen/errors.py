@@ -4,13 +4,28 @@ from __future__ import annotations
 
 # Exit codes (documented in the README; stable, like black's).
 OK = 0
-WOULD_CHANGE = 1  # --check: not patched / drifted; --diff: a diff was printed
+WOULD_CHANGE = 1  # patch --check: not patched / drifted / another transformers (--diff alone exits 0)
 BAD_INPUT = 2  # missing dir, bad config.json, unsupported model_type, bad config values, usage
 BAD_SOURCE = 3  # modeling source missing, not Python, or no recognisable MoE expert sum
 IO_FAILURE = 4  # dir not writable, disk full, locked by another run
 USER_EDITS = 5  # patch/revert refused: files edited since patching (use --force)
 VERIFY_FAILED = 6  # verify/bench: numerics or all-reduce counts off
 INTERNAL = 70  # a bug in codegen
+INTERRUPTED = 130  # Ctrl-C: nothing half-written
+CLOSED_PIPE = 141  # stdout closed early (`... --diff | head`): output cut short, nothing else wrong
+
+#: the table `--help` and the README show
+TABLE = (
+    (OK, "done / up to date (also: --diff printed a diff)"),
+    (WOULD_CHANGE, "--check: not patched, edited, stale, or patched under another transformers"),
+    (BAD_INPUT, "bad input: missing dir, bad config.json, unsupported model_type, usage, hub id without --out"),
+    (BAD_SOURCE, "modeling source missing, not Python, or no recognisable MoE expert sum"),
+    (IO_FAILURE, "cannot write: permissions, disk full, locked by another run (nothing half-written)"),
+    (USER_EDITS, "files edited since patching: re-run with --force to overwrite / discard them"),
+    (VERIFY_FAILED, "verify / bench / demo: numerics or all-reduce counts off"),
+    (INTERNAL, "a bug in codegen (re-run with --debug for the traceback)"),
+    (CLOSED_PIPE, "stdout closed early (e.g. piped into head)"),
+)
 
 
 class CodegenError(Exception):

@@ -78,8 +78,9 @@ def build_example(family: str, out_dir: Path, size: str = "tiny", seed: int = 0)
     import torch
     import transformers
 
-    config_cls = {"qwen2_moe": "Qwen2MoeConfig", "deepseek_v2": "DeepseekV2Config"}[family]
-    config = getattr(transformers, config_cls)(**SHAPES[size][family])
+    from codegen.families import FAMILIES
+
+    config = getattr(transformers, FAMILIES[family].config_class)(**SHAPES[size][family])
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
@@ -87,3 +88,12 @@ def build_example(family: str, out_dir: Path, size: str = "tiny", seed: int = 0)
             param.normal_(0, 0.05)  # non-trivial routers and experts
     model.save_pretrained(out_dir)
     return out_dir
+
+
+def shape_of(directory: Path, family: str, size: str) -> dict:
+    """The sizes an example of `size` sets (its integer config values), as its config.json holds them."""
+    import json
+
+    config = json.loads(Path(directory, "config.json").read_text())
+    return {k: config[k] for k, v in SHAPES[size][family].items()
+            if isinstance(v, int) and not isinstance(v, bool) and k in config}

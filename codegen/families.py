@@ -80,6 +80,8 @@ class QuantizedForm:
 
 @dataclass(frozen=True)
 class Family:
+    """One MoE family: every name codegen needs to rewrite, shard and check it."""
+
     model_type: str
     #: the transformers module that ships the built-in implementation
     builtin_module: str
@@ -127,6 +129,16 @@ class Family:
     #: hub-style remote code of this family the regression matrix covers: fixture dirs under tests/fixtures/
     #: (one `modeling_*.py`, shipped next to its `configuration_*.py`)
     remote_code_fixtures: tuple[str, ...] = ()
+    #: unsupported model types built on this family's MoE block (named as the nearest family when refused)
+    relatives: tuple[str, ...] = ()
+    #: config keys that say which decoder layers hold an MoE block (`patch` refuses a config with none):
+    #: the layer count; a list of dense-only layer indices; "MoE when (i + 1) % step == 0"; "dense below k";
+    #: "MoE when i % freq == 0"
+    num_layers_key: str = "num_hidden_layers"
+    dense_layers_key: str | None = None
+    sparse_step_key: str | None = None
+    first_dense_key: str | None = None
+    moe_freq_key: str | None = None
 
     @property
     def releases(self) -> tuple[str, ...]:
@@ -180,6 +192,8 @@ FAMILIES: dict[str, Family] = {
                            "shared_expert_intermediate_size", "intermediate_size"),
         bench_label="Qwen1.5-MoE-A2.7B-like",
         known_good=("4.45.2", "4.51.3", "4.54.1", "4.55.4", "4.57.6", "5.0.0", "5.24.0"),
+        dense_layers_key="mlp_only_layers",
+        sparse_step_key="decoder_sparse_step",
     ),
     "deepseek_v2": Family(
         model_type="deepseek_v2",
@@ -203,6 +217,8 @@ FAMILIES: dict[str, Family] = {
         bench_label="DeepSeek-V2-Lite-like",
         known_good=("4.54.1", "4.55.4", "4.57.6", "5.0.0", "5.24.0", "hub remote code (modeling_deepseek.py)"),
         remote_code_fixtures=("hub_deepseek",),
+        first_dense_key="first_k_dense_replace",
+        moe_freq_key="moe_layer_freq",
     ),
     "qwen3_moe": Family(
         model_type="qwen3_moe",
@@ -225,6 +241,9 @@ FAMILIES: dict[str, Family] = {
                            "intermediate_size"),
         bench_label="Qwen3-30B-A3B-like",
         known_good=("4.51.3", "4.54.1", "4.55.4", "4.57.6", "5.0.0", "5.24.0"),
+        relatives=("qwen3_next", "qwen3_vl_moe", "qwen3_omni_moe"),
+        dense_layers_key="mlp_only_layers",
+        sparse_step_key="decoder_sparse_step",
     ),
     "mixtral": Family(
         model_type="mixtral",
@@ -246,6 +265,7 @@ FAMILIES: dict[str, Family] = {
         moe_block_attrs=("mlp", "block_sparse_moe"),
         bench_label="Mixtral-8x7B-like",
         known_good=("4.36.2", "4.45.2", "4.51.3", "4.54.1", "4.55.4", "4.57.6", "5.0.0", "5.24.0"),
+        relatives=("minimax", "phimoe"),
     ),
     "deepseek_v3": Family(
         model_type="deepseek_v3",
@@ -268,6 +288,8 @@ FAMILIES: dict[str, Family] = {
         attention_replicated=("q_a_proj", "kv_a_proj_with_mqa"),
         bench_label="DeepSeek-V3-like",
         known_good=("4.51.3", "4.54.1", "4.55.4", "4.57.6", "5.0.0", "5.24.0"),
+        relatives=("longcat_flash",),
+        first_dense_key="first_k_dense_replace",
     ),
     "glm4_moe": Family(
         model_type="glm4_moe",
@@ -289,6 +311,8 @@ FAMILIES: dict[str, Family] = {
                            "intermediate_size"),
         bench_label="GLM-4.5-Air-like",
         known_good=("4.54.1", "4.55.4", "4.57.6", "5.0.0", "5.24.0"),
+        relatives=("glm4v_moe", "glm4_moe_lite"),
+        first_dense_key="first_k_dense_replace",
     ),
     "gpt_oss": Family(
         model_type="gpt_oss",

@@ -23,11 +23,6 @@ import sys
 
 import torch
 
-#: set by the generated header before this text; empty when imported as codegen.policy_runtime
-LAYOUT = globals().get("LAYOUT", {})
-KNOB = globals().get("KNOB", "")
-MODELING_MODULE = globals().get("MODELING_MODULE", "")
-
 #: the DeepSpeed releases this runtime is tested with (pyproject.toml declares the same range)
 SUPPORTED_DEEPSPEED = "deepspeed>=0.16.9,<0.20"
 #: DeepSpeed's CPU shared-memory all-reduce: /dev/shm/<prefix>_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>
@@ -65,7 +60,16 @@ def init_inference(model, tp_size, dtype=None, **deepspeed_kwargs):
     Ranks form tensor-parallel groups of `tp_size` consecutive ranks (one node's GPUs under the
     `deepspeed` launcher); every reduction stays inside its own group.
     """
-    return shard_model(model, tp_size, dtype, deepspeed_kwargs, LAYOUT, KNOB)
+    return shard_model(model, tp_size, dtype, deepspeed_kwargs, header_value("LAYOUT", {}), header_value("KNOB", ""))
+
+
+def header_value(name, default):
+    """`LAYOUT`, `KNOB` or `MODELING_MODULE` as the generated header above this text set it.
+
+    Read, never re-assigned here, so the header's literals stay the only assignments of those names;
+    imported as codegen.policy_runtime there is no header and `default` is returned.
+    """
+    return globals().get(name, default)
 
 
 def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
@@ -567,7 +571,7 @@ def check_patched(model, layout, modeling_module=None):
     family = layout["family"]
     if patch.get("family") != family:
         raise PolicyError(f"model was patched for {patch.get('family')!r}, this policy is for {family!r}: re-run patch")
-    expected = MODELING_MODULE if modeling_module is None else modeling_module
+    expected = header_value("MODELING_MODULE", "") if modeling_module is None else modeling_module
     if expected and module_name.rsplit(".", 1)[-1] != expected:
         raise PolicyError(f"model was loaded from {module_name.rsplit('.', 1)[-1]}.py, this policy was written "
                           f"beside {expected}.py: use the autotp_policy.py of the model's own dir")

@@ -415,37 +415,9 @@ _ANCHOR_FINDERS = {
 # ------------------------------------------------------------------------------------------ transformers
 
 
-class InsertCoalescedReduction(cst.CSTTransformer):
-    """`T = _codegen_moe_all_reduce(self, T)` right after the MoE block's routed + shared expert sum."""
-
-    def __init__(self, class_name: str, anchor: _Anchor, comment: str = "") -> None:
-        self.class_name = class_name
-        self.anchor = anchor
-        self.comment = comment or REDUCTION_COMMENT
-        self._classes: list[str] = []
-
-    def visit_ClassDef(self, node: cst.ClassDef) -> None:
-        self._classes.append(node.name.value)
-
-    def leave_ClassDef(self, original_node: cst.ClassDef, updated_node: cst.ClassDef) -> cst.ClassDef:
-        self._classes.pop()
-        return updated_node
-
-    def leave_FunctionDef(self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef) -> cst.FunctionDef:
-        if self._classes != [self.class_name] or original_node.name.value != "forward":
-            return updated_node
-        var = self.anchor.variable
-        reduction = cst.parse_statement(f"{var} = {HELPER}(self, {var})\n").with_changes(
-            leading_lines=[cst.EmptyLine(comment=cst.Comment(self.comment))]
-        )
-        body = list(updated_node.body.body)
-        body.insert(self.anchor.index + 1, reduction)
-        return updated_node.with_changes(body=updated_node.body.with_changes(body=body))
-
-
-class WrapReturnedSum(cst.CSTTransformer):
-    """`return a + b` -> `return _codegen_moe_all_reduce(self, a + b)` in the MoE block's forward (a tuple's
-    first element likewise): the reduction sits on the one path out, and no statement is split or renamed."""
+class _MoEForwardTransformer(cst.CSTTransformer):
+    """Base for edits of one MoE block's `forward`: finds it (the class the table names, not nested), and
+    hands its body to `rewrite_forward`."""
 
     def __init__(self, class_name: str, anchor: _Anchor) -> None:
         self.class_name = class_name
@@ -462,7 +434,34 @@ class WrapReturnedSum(cst.CSTTransformer):
     def leave_FunctionDef(self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef) -> cst.FunctionDef:
         if self._classes != [self.class_name] or original_node.name.value != "forward":
             return updated_node
-        body = list(updated_node.body.body)
+        body = self.rewrite_forward(list(updated_node.body.body))
+        return updated_node.with_changes(body=updated_node.body.with_changes(body=body))
+
+    def rewrite_forward(self, body: list[cst.BaseStatement]) -> list[cst.BaseStatement]:
+        raise NotImplementedError
+
+
+class InsertCoalescedReduction(_MoEForwardTransformer):
+    """`T = _codegen_moe_all_reduce(self, T)` right after the MoE block's routed + shared expert sum."""
+
+    def __init__(self, class_name: str, anchor: _Anchor, comment: str = "") -> None:
+        super().__init__(class_name, anchor)
+        self.comment = comment or REDUCTION_COMMENT
+
+    def rewrite_forward(self, body: list[cst.BaseStatement]) -> list[cst.BaseStatement]:
+        var = self.anchor.variable
+        reduction = cst.parse_statement(f"{var} = {HELPER}(self, {var})\n").with_changes(
+            leading_lines=[cst.EmptyLine(comment=cst.Comment(self.comment))]
+        )
+        body.insert(self.anchor.index + 1, reduction)
+        return body
+
+
+class WrapReturnedSum(_MoEForwardTransformer):
+    """`return a + b` -> `return _codegen_moe_all_reduce(self, a + b)` in the MoE block's forward (a tuple's
+    first element likewise): the reduction sits on the one path out, and no statement is split or renamed."""
+
+    def rewrite_forward(self, body: list[cst.BaseStatement]) -> list[cst.BaseStatement]:
         line = body[self.anchor.index]
         ret = line.body[0]
         if isinstance(ret.value, cst.Tuple):
@@ -475,7 +474,7 @@ class WrapReturnedSum(cst.CSTTransformer):
         body[self.anchor.index] = line.with_changes(
             body=[ret.with_changes(value=value)], leading_lines=[*line.leading_lines, comment]
         )
-        return updated_node.with_changes(body=updated_node.body.with_changes(body=body))
+        return body
 
 
 def _reduced(expr: cst.BaseExpression) -> cst.Call:

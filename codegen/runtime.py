@@ -1,24 +1,30 @@
-"""Runtime checks on real processes: start N local ranks and collect what each measured.
+"""The one launcher of verify, bench and demo: start N local ranks of codegen.tp_worker and collect their figures.
 
 Each rank is a separate `python -m codegen.tp_worker` process wired up exactly as torchrun wires its
 workers (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT: env:// rendezvous). The
 ranks are started directly rather than through torchrun's elastic agent: the agent imports torch
 before it starts a rank, which cost ~5 s of a ~2-core machine per launch, and adds nothing for a
-fixed single-node group. If one rank fails, the others are stopped (as torchrun does).
+fixed single-node group. If one rank fails, the others are stopped (as torchrun does); the failure
+is one line (the rank's own `rank<k>.error`, else the last error line of its output). If the port
+chosen was taken before the rendezvous, the launch is retried once on another.
+
+One launch runs several jobs (model dirs), each several phases (codegen.tp_worker), so a caller
+pays the process start, the imports and DeepSpeed's set-up once. Rank 0's progress lines are
+passed to `progress` while the ranks run.
 
 DeepSpeed's CPU shared-memory all-reduce needs LOCAL_SIZE (the number of local ranks; DeepSpeed's
-own launcher sets it, torchrun does not), so this sets it. It is JIT-compiled on first use; unless
-TORCH_EXTENSIONS_DIR is set, the build goes to a dir per Python environment (see extensions_dir). Its shared-memory buffers
-(/dev/shm/deepspeed_allreduce_buffer_*, ~70 MB per rank) are never unlinked by DeepSpeed; this
-removes the ones its ranks created, keyed by the master port it chose.
-
-One launch can measure several phases (`modes`) in order, sharing the process start, the imports
-and the single-process reference; see codegen.tp_worker.
+own launcher sets it, torchrun does not), so this sets it. DeepSpeed JIT-compiles that op on first
+use (1-3 minutes on 2 cores), into a build dir whose paths name the virtualenv; the workers keep the
+built library in codegen's cache dir keyed by what it is built from (see preload_shm_op), so a fresh
+clone or another virtualenv with the same Python, torch and DeepSpeed loads it instead of building
+it again. Its shared-memory buffers (/dev/shm/deepspeed_allreduce_buffer_*, ~70 MB per rank) are
+never unlinked by DeepSpeed; this removes the ones its ranks created, keyed by the master port.
 """
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 import shutil
@@ -27,12 +33,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from codegen.errors import BadInput, IOFailure, VerifyFailed
 from codegen.modeldir import ModelDir
 
-MODES = ("no-policy", "codegen", "stock")
+PROGRESS = "@@codegen-progress "
 
 
 def free_port() -> int:
@@ -41,17 +48,45 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(
-    model: Path,
-    reference: Path,
-    mode: str,
-    tp: int,
-    world: int | None = None,
-    timeout: float = 600.0,
-    extra: list[str] | None = None,
-) -> list[dict]:
-    """Run codegen.tp_worker on `world` local ranks in one mode; return each rank's figures (rank order)."""
-    return run_phases(model, reference, [mode], tp, world, timeout, extra)[mode]
+def launch(spec: dict, world: int, timeout: float = 600.0, progress: Callable[[str], None] | None = None,
+           what: str = "run") -> list[dict]:
+    """Run codegen.tp_worker on `world` local ranks with `spec`; return each rank's record (rank order).
+
+    spec: {"tp", "device", "dtype", "options": {...}, "jobs": [{"name", "model", "reference", "phases",
+    "options"?}]} (see codegen.tp_worker). Any failure is one line (VerifyFailed).
+    """
+    device = spec.get("device", "cpu")
+    with tempfile.TemporaryDirectory(prefix="codegen-ranks-") as out:
+        spec_path = Path(out, "spec.json")
+        spec_path.write_text(json.dumps(spec))
+        args = ["--spec", str(spec_path), "--out", out]
+        started = time.monotonic()
+        for attempt in range(2):
+            port = free_port()
+            try:
+                codes, timed_out, logs = _start(args, world, port, timeout, Path(out), device, progress)
+            finally:
+                remove_shm_buffers(port)
+            port_taken = "EADDRINUSE" in logs or "address already in use" in logs.lower()
+            if attempt == 0 and any(codes) and port_taken:
+                continue  # another process took the port between free_port() and the rendezvous
+            break
+        if timed_out:
+            raise VerifyFailed(f"{what} on {world} ranks timed out after {timeout:.0f}s")
+        for rank in range(world):
+            err = Path(out, f"rank{rank}.error")
+            if err.exists():
+                line = (err.read_text().strip().splitlines() or ["no message"])[0][:300]
+                raise VerifyFailed(f"{what}: rank {rank} failed: {line}")
+        # a rank that failed on its own (exit > 0) rather than one stopped because of it (killed: < 0)
+        failed = next((c for c in codes if c > 0), next((c for c in codes if c), 0))
+        if failed:
+            raise VerifyFailed(f"{what} on {world} ranks failed (exit {failed}): {_last_error_line(logs)}")
+        results = [json.loads(Path(out, f"rank{rank}.json").read_text()) for rank in range(world)]
+    wall = time.monotonic() - started
+    for r in results:  # where the launch spent its time
+        r["timings"]["launch_wall_s"] = wall
+    return results
 
 
 def run_phases(
@@ -61,46 +96,16 @@ def run_phases(
     tp: int,
     world: int | None = None,
     timeout: float = 600.0,
-    extra: list[str] | None = None,
+    options: dict | None = None,
 ) -> dict[str, list[dict]]:
-    """One launch of `world` ranks measuring each of `modes` in order: {mode: [rank 0 figures, rank 1, ...]}.
-
-    `model` is the dir the codegen / no-policy phases load; `reference` the unpatched dir (the
-    single-process reference, and what the stock phase loads when it is not the only phase).
-    """
-    unknown = [m for m in modes if m not in MODES]
-    if unknown or not modes:
-        raise ValueError(f"modes must be a non-empty list of {MODES}, got {modes}")
-    world = world or tp
-    label = "+".join(modes)
-    with tempfile.TemporaryDirectory(prefix="codegen-ranks-") as out:
-        args = ["--model", str(model), "--reference", str(reference), "--mode", ",".join(modes),
-                "--tp", str(tp), "--out", out, *(extra or [])]
-        started = time.monotonic()
-        for attempt in range(2):
-            port = free_port()
-            try:
-                codes, timed_out, logs = _launch(args, world, port, timeout, Path(out))
-            finally:
-                remove_shm_buffers(port)
-            port_taken = "EADDRINUSE" in logs or "address already in use" in logs.lower()
-            if attempt == 0 and any(codes) and port_taken:
-                continue  # another process took the port between free_port() and the rendezvous
-            break
-        if timed_out:
-            raise VerifyFailed(f"{label} run on {world} ranks timed out after {timeout:.0f}s")
-        # a rank that failed on its own (exit > 0) rather than one stopped because of it (killed: < 0)
-        failed = next((c for c in codes if c > 0), next((c for c in codes if c), 0))
-        if failed:
-            raise VerifyFailed(f"{label} run on {world} ranks failed (exit {failed}): {_last_error_line(logs)}")
-        results = [json.loads(Path(out, f"rank{rank}.json").read_text()) for rank in range(world)]
-        wall = time.monotonic() - started
-    for r in results:  # where the launch spent its time, on every phase's figures
-        r["timings"]["launch_wall_s"] = wall
-    return {mode: [{**r["phases"][mode], "timings": r["timings"]} for r in results] for mode in modes}
+    """One job in one launch: {phase: [rank 0 figures, rank 1, ...]} (each with the rank's timings)."""
+    job = {"name": Path(model).name, "model": str(model), "reference": str(reference), "phases": list(modes)}
+    ranks = launch({"tp": tp, "options": options or {}, "jobs": [job]}, world or tp, timeout, what="+".join(modes))
+    return {mode: [{**r["jobs"][job["name"]][mode], "timings": r["timings"]} for r in ranks] for mode in modes}
 
 
-def _launch(args: list[str], world: int, port: int, timeout: float, out: Path) -> tuple[list[int], bool, str]:
+def _start(args: list[str], world: int, port: int, timeout: float, out: Path, device: str,
+           progress: Callable[[str], None] | None) -> tuple[list[int], bool, str]:
     """Start the ranks and wait for all; stop the rest when one fails or time runs out.
 
     Returns the exit codes (rank order), whether time ran out, and the ranks' output.
@@ -109,9 +114,13 @@ def _launch(args: list[str], world: int, port: int, timeout: float, out: Path) -
     base = {"TORCH_EXTENSIONS_DIR": extensions_dir(), **os.environ,
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
             "LOCAL_WORLD_SIZE": str(world), "LOCAL_SIZE": str(world), "GROUP_RANK": "0",
-            "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
+            "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore",
+            "PYTHONUNBUFFERED": "1", "TRANSFORMERS_VERBOSITY": "error", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+    if device == "cpu":
+        base.setdefault("CUDA_VISIBLE_DEVICES", "")
     procs, logs, timed_out = [], [], False
     deadline = time.monotonic() + timeout
+    shown = 0
     try:
         for rank in range(world):
             log = open(out / f"rank{rank}.log", "w+")
@@ -120,15 +129,19 @@ def _launch(args: list[str], world: int, port: int, timeout: float, out: Path) -
             procs.append(subprocess.Popen([sys.executable, "-m", "codegen.tp_worker", *args], env=env,
                                           stdout=log, stderr=subprocess.STDOUT))
         while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
+            if progress is not None:
+                shown = _show_progress(out / "rank0.log", shown, progress)
             if time.monotonic() > deadline:
                 timed_out = True
                 break
-            time.sleep(0.05)
+            time.sleep(0.1)
     finally:
         for p in procs:  # a failed or late rank leaves the others waiting in a collective
             if p.poll() is None:
                 p.kill()
         codes = [p.wait() for p in procs]
+        if progress is not None and logs:
+            _show_progress(out / "rank0.log", shown, progress)
         text = ""
         for log in logs:
             log.seek(0)
@@ -137,15 +150,114 @@ def _launch(args: list[str], world: int, port: int, timeout: float, out: Path) -
     return codes, timed_out, text
 
 
+def _show_progress(log: Path, shown: int, progress: Callable[[str], None]) -> int:
+    """Pass rank 0's new complete progress lines on; return how many bytes of its log are consumed."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(shown)
+            chunk = f.read()
+    except OSError:
+        return shown
+    end = chunk.rfind(b"\n") + 1
+    for line in chunk[:end].decode(errors="replace").splitlines():
+        at = line.find(PROGRESS)
+        if at >= 0:
+            progress(line[at + len(PROGRESS):].rstrip())
+    return shown + end
+
+
+def codegen_cache() -> Path:
+    """codegen's cache dir ($CODEGEN_CACHE, else $XDG_CACHE_HOME/codegen or ~/.cache/codegen), shared by clones."""
+    env = os.environ.get("CODEGEN_CACHE")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "codegen"
+
+
+def _shm_builder():
+    """DeepSpeed's builder of its CPU shared-memory all-reduce, or None where it has none."""
+    try:
+        from deepspeed.accelerator import get_accelerator
+
+        return get_accelerator().create_op_builder("ShareMemCommBuilder")
+    except Exception:  # noqa: BLE001 - no such op in this DeepSpeed: nothing to cache
+        return None
+
+
+def shm_op_cache_path(builder=None) -> Path | None:
+    """Where the built shm op of this Python, torch, DeepSpeed and op source is kept (None: no such op)."""
+    builder = builder or _shm_builder()
+    if builder is None:
+        return None
+    import deepspeed
+    import torch
+
+    digest = hashlib.sha256()
+    for part in (sys.version, torch.__version__, deepspeed.__version__, sys.platform,
+                 repr(builder.strip_empty_entries(builder.cxx_args()))):
+        digest.update(part.encode() + b"\0")
+    paths = [Path(builder.deepspeed_src_path(p)) for p in builder.sources()]
+    for include in builder.include_paths():
+        paths += sorted(Path(builder.deepspeed_src_path(include)).rglob("*"))
+    for path in paths:
+        if path.is_file():
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return codegen_cache() / "torch_extensions" / f"{builder.NAME}-{digest.hexdigest()[:16]}" / f"{builder.NAME}.so"
+
+
+def preload_shm_op() -> bool:
+    """Load the cached shm op into DeepSpeed's op registry (before init_distributed); False if not cached."""
+    import importlib.util
+
+    try:
+        builder = _shm_builder()
+        path = shm_op_cache_path(builder)
+        if path is None or not path.is_file() or not hasattr(builder, "_loaded_ops"):
+            return False
+        spec = importlib.util.spec_from_file_location(builder.NAME, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        builder._loaded_ops[builder.NAME] = module  # the dict DeepSpeed's OpBuilder.load() consults first
+        return True
+    except Exception:  # noqa: BLE001 - DeepSpeed builds it as usual
+        return False
+
+
+def save_shm_op() -> None:
+    """Keep the shm op DeepSpeed just built in codegen's cache dir (atomically; best effort)."""
+    try:
+        builder = _shm_builder()
+        path = shm_op_cache_path(builder)
+        if path is None or path.is_file() or builder.NAME not in getattr(builder, "_loaded_ops", {}):
+            return
+        built = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or extensions_dir(), builder.NAME, f"{builder.NAME}.so")
+        if not built.is_file():
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        shutil.copyfile(built, tmp)
+        os.replace(tmp, path)
+    except Exception:  # noqa: BLE001 - the cache is an optimisation only
+        pass
+
+
+def shm_op_cached() -> bool:
+    """Whether a launch on CPU finds the shm op built (in codegen's cache or this environment's build dir)."""
+    try:
+        path = shm_op_cache_path()
+    except Exception:  # noqa: BLE001
+        path = None
+    return bool(path and path.is_file()) or bool(list(Path(extensions_dir()).glob("deepspeed_shm_comm/*.so")))
+
+
 def extensions_dir() -> str:
-    """A torch-extensions build dir per Python environment (the one codegen.bench uses too).
+    """A torch-extensions build dir per Python environment (where DeepSpeed builds when nothing is cached).
 
     DeepSpeed JIT-compiles its CPU shared-memory all-reduce into ~/.cache/torch_extensions/<py>_cpu,
     shared by every environment with the same Python; two virtualenvs rebuild it there in turn (the
     include paths differ), 1-3 minutes on 2 cores each time, inside whichever launch comes next.
     """
-    import hashlib
-
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     tag = hashlib.sha256(sys.prefix.encode()).hexdigest()[:10]
     return os.path.join(base, "torch_extensions", f"codegen-{Path(sys.prefix).name}-{tag}")
@@ -175,18 +287,18 @@ def materialize_unpatched(model_dir: Path, into: Path) -> Path:
     if manifest is None:
         raise BadInput(f"{model_dir} is not patched: run `python -m codegen patch {model_dir}` first")
     into.mkdir(parents=True, exist_ok=True)
-    recorded = manifest["files"]
+    recorded = manifest.files
     try:
         for entry in model_dir.iterdir():
             if entry.name in (".codegen", "__pycache__") or entry.name in recorded:
                 continue
             os.symlink(entry.resolve(), into / entry.name)
         for name, record in recorded.items():
-            original = record["original"]
-            if original["kind"] == "file":
+            original = record.original
+            if original.kind == "file":
                 shutil.copyfile(model_dir / ".codegen" / "originals" / name, into / name)
-            elif original["kind"] == "symlink":
-                target = Path(original["target"])
+            elif original.kind == "symlink":
+                target = Path(original.target)
                 os.symlink(target if target.is_absolute() else (model_dir / target).resolve(), into / name)
     except OSError as exc:
         raise IOFailure(f"cannot build the unpatched reference in {into}: {exc.strerror}") from None

@@ -1,23 +1,32 @@
-"""One rank of a verify run (started by codegen.runtime, never imported by users).
+"""The one rank worker of verify, bench and demo (started by codegen.runtime.launch, never imported by users).
 
-One launch measures one or more phases, in the order given to --mode (comma-separated), against one
-single-process reference computed once per launch (the unpatched dir, fp32, unsharded):
+A launch reads one spec (JSON) naming several jobs; each job is a model dir, its unpatched reference
+dir and the phases to measure, in order, against one single-process reference per job (the
+unpatched dir, fp32, unsharded, computed once per job):
 
   no-policy  the patched dir with torch.distributed up but no TP policy: must equal the reference
-             exactly and reduce nothing (run it first, before any policy touched the process)
+             exactly and reduce nothing (list it before any policy phase)
   codegen    the patched dir under its generated autotp_policy.py
-  stock      stock `deepspeed.init_inference` (AutoTP) on the unpatched dir
+  stock      stock `deepspeed.init_inference` (AutoTP) on the reference dir
+  ab         the bench's phase: stock (a) and codegen (b) loaded side by side, every timed unit (a
+             prefill, a decode step) run a then b or b then a (ABBA), each after a barrier; decode
+             steps are fed the reference's greedy tokens (teacher forcing) so a and b decode the same
+             sequence; per unit: time, all-reduces, all-reduces per MoE block, logits vs reference
 
-For each phase: all-reduce calls in one forward, counted twice, independently: at the Python entry
-points (deepspeed.comm `all_reduce` / `inference_all_reduce`, the comm backend's methods,
-torch.distributed, functional collectives, the shm op; each call once, at the outermost layer) and
-in the C++ profiler (`c10d::allreduce_`, `deepspeed::inference_all_reduce_`, ...), which sees every
+no-policy / codegen / stock measure one forward: all-reduce calls counted twice, independently: at the
+Python entry points (deepspeed.comm `all_reduce` / `inference_all_reduce`, the comm backend's methods,
+torch.distributed, functional collectives, the shm op; each call once, at the outermost layer) and in
+the C++ profiler (`c10d::allreduce_`, `deepspeed::inference_all_reduce_`, ...), which sees every
 reduction whichever Python path issued it; the Python count is split per attention / MoE / dense MLP
-block and LM head. Then: logits against the reference, greedy tokens, per-rank parameter bytes
-(routed experts, gates, sharded layers vs. the same parameters unsharded), whether sharded weights
-are registered Parameters that pin no full-size storage, whether any full-size copy of a sharded
-weight is still alive, router weights and types, and (--grad-check) the inserted reduction's
-autograd behaviour. Writes rank<k>.json: {"rank", "world_size", "timings", "phases": {mode: figures}}.
+block and LM head. Then: logits against the reference, greedy tokens, per-rank parameter bytes,
+whether sharded weights are registered Parameters that pin no full-size storage, whether any
+full-size copy of a sharded weight is still alive, router weights and types, and (grad_check) the
+inserted reduction's autograd behaviour.
+
+MoE blocks, routers, experts and fused expert tensors are found by the names in codegen.families.
+Rank 0 prints `@@codegen-progress <message>` lines (codegen.runtime shows them). Writes
+rank<k>.json: {"rank", "world_size", "timings", "jobs": {name: {phase: figures}}}; on failure
+rank<k>.error (one line) and exit 1.
 """
 
 from __future__ import annotations
@@ -38,16 +47,24 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
+from codegen.families import FAMILIES, fused_attr_names, moe_class_names  # noqa: E402
+
 _T_TORCH = time.perf_counter()
 
-#: MoE block classes of every supported family and generation (codegen.families lists the same)
-MOE_CLASSES = ("Qwen2MoeSparseMoeBlock", "DeepseekV2Moe", "DeepseekV2MoE")
-#: router parameters kept whole on every rank
-GATE_SUFFIXES = ("mlp.gate.weight", "shared_expert_gate.weight")
+PHASES = ("no-policy", "codegen", "stock", "ab")
+PROGRESS = "@@codegen-progress "
+#: what a job runs with unless the spec says otherwise
+DEFAULTS = dict(prompt_len=16, batch=2, generate=16, decode_steps=0, warmup=1, repeats=1, grad_check=False,
+                tp_grain_size=0)
 #: C++ operator names of an all-reduce, as the profiler records them (one event per call)
 PROFILER_ALLREDUCE = ("c10d::allreduce_", "c10d::allreduce_coalesced_", "_c10d_functional::all_reduce",
                       "_c10d_functional::all_reduce_", "deepspeed::inference_all_reduce_",
                       "deepspeed::inference_all_reduce")
+MOE_CLASSES = moe_class_names()
+#: router attributes of each MoE block class (kept whole on every rank)
+ROUTERS = {cls: family.routers for family in FAMILIES.values() for cls in family.moe_classes}
+EXPERT_ATTRS = frozenset(family.experts_attr for family in FAMILIES.values())
+FUSED = fused_attr_names()
 
 
 class AllReduceCounter:
@@ -111,6 +128,9 @@ class AllReduceCounter:
         self.log.clear()
 
 
+# ------------------------------------------------------------------------------------------ model figures
+
+
 def _dtype_kw() -> str:
     import transformers
     from packaging.version import Version
@@ -125,38 +145,57 @@ def load(directory: str, remote: bool, dtype: torch.dtype):
 
 
 def has_remote_code(directory: str) -> bool:
-    return bool(json.loads(Path(directory, "config.json").read_text()).get("auto_map"))
+    return bool(model_config(directory).get("auto_map"))
+
+
+def load_policy(directory: str, name: str):
+    """The dir's generated autotp_policy.py, imported as a module."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(directory, "autotp_policy.py"))
+    policy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(policy)
+    return policy
+
+
+def moe_blocks(model) -> list:
+    return [m for m in model.modules() if type(m).__name__ in MOE_CLASSES]
+
+
+def router_params(model) -> dict:
+    """name -> (parameter, router module) of every router the family table names, in every MoE block."""
+    found = {}
+    for block_name, block in model.named_modules():
+        for attr in ROUTERS.get(type(block).__name__, ()):
+            router = getattr(block, attr, None)
+            if isinstance(router, torch.nn.Module):
+                for pname, p in router.named_parameters():
+                    found[f"{block_name}.{attr}.{pname}"] = (p, router)
+    return found
 
 
 def _is_expert_param(name: str) -> bool:
-    return ".experts." in name or name.endswith((".experts.gate_up_proj", ".experts.down_proj"))
+    return any(f".{e}." in name or name.endswith(tuple(f".{e}.{f}" for f in FUSED)) for e in EXPERT_ATTRS)
 
 
 def param_bytes(model) -> dict:
-    experts = gates = total = 0
+    gates = set(router_params(model))
+    experts = routers = total = 0
     for name, p in model.named_parameters():
         size = p.numel() * p.element_size()
         total += size
         if _is_expert_param(name):
             experts += size
-        elif name.endswith(GATE_SUFFIXES):
-            gates += size
-    return {"experts": experts, "gates": gates, "rest": total - experts, "total": total}
+        elif name in gates:
+            routers += size
+    return {"experts": experts, "gates": routers, "rest": total - experts, "total": total}
 
 
 def gate_weights(model) -> dict:
-    return {n: p.detach().float().cpu().clone() for n, p in model.named_parameters() if n.endswith(GATE_SUFFIXES)}
+    return {n: p.detach().float().cpu().clone() for n, (p, _) in router_params(model).items()}
 
 
 def gate_types(model) -> dict:
     """Class name of each router module (the module owning a gate weight)."""
-    modules = dict(model.named_modules())
-    return {n: type(modules[n.rsplit(".", 1)[0]]).__name__
-            for n, _ in model.named_parameters() if n.endswith(GATE_SUFFIXES)}
-
-
-def moe_blocks(model) -> list:
-    return [m for m in model.modules() if type(m).__name__ in MOE_CLASSES]
+    return {n: type(module).__name__ for n, (_, module) in router_params(model).items()}
 
 
 def decoder_layers(model) -> list:
@@ -190,20 +229,81 @@ def cache_of(output):
     return None
 
 
+class Run:
+    """What every phase of a launch shares: options, device, dtype, the counter, the process group."""
+
+    def __init__(self, spec: dict, dist, counter: AllReduceCounter) -> None:
+        self.tp = spec["tp"]
+        self.device_kind = spec.get("device", "cpu")
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.device = torch.device("cpu") if self.device_kind == "cpu" else torch.device(self.device_kind, local_rank)
+        self.dtype = getattr(torch, spec.get("dtype", "float32"))
+        self.dist = dist
+        self.counter = counter
+        self.rank = dist.get_rank()
+
+    def say(self, message: str) -> None:
+        if self.rank == 0:
+            print(f"{PROGRESS}{message}", flush=True)
+
+    def sync(self) -> None:
+        if self.device_kind == "cuda":
+            torch.cuda.synchronize()
+
+    def build(self, phase: str, job: dict, opts: dict):
+        """The model of one phase, sharded as that phase's user would shard it."""
+        import deepspeed
+
+        grain = {"tp_grain_size": opts["tp_grain_size"]} if opts["tp_grain_size"] else {}
+        if phase == "codegen":
+            model = load(job["model"], True, self.dtype)
+            policy = load_policy(job["model"], f"codegen_autotp_policy_{job['name']}")
+            extra = {"tensor_parallel": grain} if grain else {}
+            # no dtype on CPU: the policy keeps the loaded model's (the default a user relies on; DeepSpeed's is fp16)
+            dtype = {"dtype": self.dtype} if self.device_kind != "cpu" else {}
+            return policy.init_inference(model, tp_size=self.tp, **extra, **dtype).module
+        if phase == "stock":
+            model = load(job["reference"], has_remote_code(job["reference"]), self.dtype)
+            return deepspeed.init_inference(model, tensor_parallel={"tp_size": self.tp, **grain}, dtype=self.dtype,
+                                            replace_with_kernel_inject=False).module
+        return load(job["model"], True, self.dtype)  # no-policy
+
+
 # --------------------------------------------------------------------------------------------- reference
 
 
 class Reference:
-    """The single-process unpatched model's outputs and parameter figures (the model itself is freed)."""
+    """The single-process unpatched model's outputs and parameter figures (the model itself is freed).
 
-    def __init__(self, directory: str, ids: torch.Tensor, generate: int) -> None:
+    With `decode_steps`, also its greedy decode with the KV cache: the tokens the ab phase forces and
+    each step's logits.
+    """
+
+    def __init__(self, run: Run, directory: str, ids: torch.Tensor, generate: int, decode_steps: int) -> None:
         t0 = time.perf_counter()
-        model = load(directory, has_remote_code(directory), torch.float32)
+        model = load(directory, has_remote_code(directory), torch.float32).to(run.device)
         t1 = time.perf_counter()
+        self.prefill_s, self.decode_s, self.forced, self.step_logits = [], [], [], []
         with torch.no_grad():
-            self.logits = model(ids).logits.float()
+            run.sync()
+            t = time.perf_counter()
+            out = model(ids, use_cache=bool(decode_steps))
+            run.sync()
+            self.prefill_s.append(time.perf_counter() - t)
+            self.logits = out.logits.float().cpu()
             t2 = time.perf_counter()
             self.tokens = _greedy(model, ids[:1], generate) if generate else None
+            if decode_steps:
+                cache, token = cache_of(out), out.logits[:, -1:].argmax(-1)
+                for _ in range(decode_steps):
+                    self.forced.append(token)
+                    run.sync()
+                    t = time.perf_counter()
+                    out = model(token, past_key_values=cache, use_cache=True)
+                    run.sync()
+                    self.decode_s.append(time.perf_counter() - t)
+                    self.step_logits.append(out.logits.float().cpu())
+                    cache, token = cache_of(out), out.logits[:, -1:].argmax(-1)
         self.timings = {"reference_load_s": t1 - t0, "reference_forward_s": t2 - t1,
                         "reference_generate_s": time.perf_counter() - t2}
         self.bytes = param_bytes(model)
@@ -211,7 +311,7 @@ class Reference:
         self.gate_types = gate_types(model)
         self.shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         self.param_bytes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
-        del model
+        del model, out
         gc.collect()
 
 
@@ -219,33 +319,11 @@ def _greedy(model, ids, n: int) -> torch.Tensor:
     return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False).cpu()
 
 
-# ------------------------------------------------------------------------------------------------ phases
+# ---------------------------------------------------------------------------------- one-forward phases
 
 
-def build(mode: str, args, dtype, modes: list[str]):
-    """The model of one phase, sharded as that phase's user would shard it."""
-    import deepspeed
-
-    tensor_parallel = {"tp_grain_size": args.tp_grain_size} if args.tp_grain_size else {}
-    if mode == "codegen":
-        model = load(args.model, True, dtype)
-        path = os.path.join(args.model, "autotp_policy.py")
-        spec = importlib.util.spec_from_file_location("codegen_autotp_policy", path)
-        policy = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(policy)
-        extra = {"tensor_parallel": tensor_parallel} if tensor_parallel else {}
-        # no dtype: the policy keeps the loaded model's (the default a user relies on; DeepSpeed's is fp16)
-        return policy.init_inference(model, tp_size=args.tp, **extra).module
-    if mode == "stock":
-        directory = args.model if modes == ["stock"] else args.reference
-        model = load(directory, has_remote_code(directory), dtype)
-        engine = deepspeed.init_inference(model, tensor_parallel={"tp_size": args.tp, **tensor_parallel}, dtype=dtype,
-                                          replace_with_kernel_inject=False)
-        return engine.module
-    return load(args.model, True, dtype)  # no-policy
-
-
-def measure(mode: str, model, args, ids, ref: Reference, counter: AllReduceCounter, dist) -> dict:
+def measure(phase: str, model, run: Run, opts: dict, ids, ref: Reference) -> dict:
+    counter, dist = run.counter, run.dist
     layers = decoder_layers(model)
     blocks = moe_blocks(model)
     block_ids = {id(b) for b in blocks}
@@ -265,10 +343,9 @@ def measure(mode: str, model, args, ids, ref: Reference, counter: AllReduceCount
         hooks.append(block.register_forward_pre_hook(lambda _m, _a, mark=mark: mark.update(n=len(counter.log))))
         hooks.append(block.register_forward_hook(
             lambda _m, _a, _o, mark=mark: moe_entries.extend(counter.log[mark["n"]:])))
-    result: dict = {"mode": mode, "rank": dist.get_rank(), "world_size": dist.get_world_size(),
-                    "tp_group_size": args.tp}
+    result: dict = {"mode": phase, "rank": dist.get_rank(), "world_size": dist.get_world_size(), "tp_group_size": run.tp}
     with torch.no_grad():
-        for _ in range(args.warmup):
+        for _ in range(opts["warmup"]):
             model(ids)
         dist.barrier()
         for key in counts:
@@ -282,7 +359,7 @@ def measure(mode: str, model, args, ids, ref: Reference, counter: AllReduceCount
         per_forward = counter.calls
         counts = {key: list(values) for key, values in counts.items()}  # the timed forwards below add more
         prefill_s = []
-        for _ in range(args.repeats):
+        for _ in range(opts["repeats"]):
             dist.barrier()
             t0 = time.perf_counter()
             model(ids)
@@ -292,7 +369,7 @@ def measure(mode: str, model, args, ids, ref: Reference, counter: AllReduceCount
     logits = out.logits.float().cpu()
     lm_head = model.get_output_embeddings()
     result.update({
-        "num_layers": model.config.num_hidden_layers,
+        "num_layers": len(layers),
         "attention_blocks": len(groups["attention"]),
         "moe_blocks": len(blocks),
         "dense_mlp_blocks": len(groups["dense_mlp"]),
@@ -312,16 +389,13 @@ def measure(mode: str, model, args, ids, ref: Reference, counter: AllReduceCount
         "prefill_s": prefill_s,
     })
     t0 = time.perf_counter()
-    result.update(sharding_figures(model, ref, scan=mode == "codegen"))
+    result.update(sharding_figures(model, ref, scan=phase == "codegen"))
     t1 = time.perf_counter()
-    if args.generate:
+    if opts["generate"]:
         with torch.no_grad():
-            result["same_tokens"] = bool(torch.equal(_greedy(model, ids[:1], args.generate), ref.tokens))
+            result["same_tokens"] = bool(torch.equal(_greedy(model, ids[:1], opts["generate"]), ref.tokens))
     result["phase_timings"] = {"sharding_figures_s": t1 - t0, "generate_s": time.perf_counter() - t1}
-    if args.decode_steps:
-        with torch.no_grad():
-            result.update(_decode(model, ids, args.decode_steps, args.warmup, counter, dist))
-    if args.grad_check and mode == "codegen":
+    if opts["grad_check"] and phase == "codegen":
         result["grad_check"] = _grad_check(blocks, counter, dist)
     return result
 
@@ -377,8 +451,9 @@ def sharded_tensors(model) -> dict:
         if isinstance(module, TensorParallel_Layer) and isinstance(getattr(module, "weight", None), torch.Tensor):
             found[prefix + "weight"] = module.weight
         if getattr(module, "_codegen_sharded", False):
-            for attr in ("gate_up_proj", "down_proj"):
-                found[prefix + attr] = getattr(module, attr)
+            for attr in sorted(FUSED):
+                if isinstance(getattr(module, attr, None), torch.Tensor):
+                    found[prefix + attr] = getattr(module, attr)
     return found
 
 
@@ -441,29 +516,6 @@ def _tp_group_ranks(model) -> list:
     return groups
 
 
-def _decode(model, ids, steps: int, warmup: int, counter: AllReduceCounter, dist) -> dict:
-    out = model(ids, use_cache=True)
-    cache = cache_of(out)
-    token = out.logits[:, -1:].argmax(-1)
-    times, counts = [], []
-    for step in range(warmup + steps):
-        dist.barrier()
-        before = counter.calls
-        t0 = time.perf_counter()
-        out = model(token, past_key_values=cache, use_cache=True)
-        elapsed = time.perf_counter() - t0
-        cache = cache_of(out)
-        token = out.logits[:, -1:].argmax(-1)
-        if step >= warmup:
-            times.append(elapsed)
-            counts.append(counter.calls - before)
-    return {
-        "decode_s": times,
-        "decode_median_s": statistics.median(times),
-        "allreduce_per_decode_step": max(counts) if counts else 0,
-    }
-
-
 def _grad_check(blocks, counter: AllReduceCounter, dist) -> dict:
     """Backward through the inserted reduction, called as the patched forward calls it.
 
@@ -501,69 +553,157 @@ def _grad_check(blocks, counter: AllReduceCounter, dist) -> dict:
     }
 
 
+# ------------------------------------------------------------------------------------------- the ab phase
+
+
+def measure_ab(run: Run, job: dict, opts: dict, ids, ref: Reference) -> dict:
+    """(a) stock AutoTP on the reference dir vs (b) the patched dir under its policy, interleaved ABBA."""
+    counter, dist = run.counter, run.dist
+    warmup, steps, repeats = opts["warmup"], opts["decode_steps"], opts["repeats"]
+    name = job["name"]
+    run.say(f"{name}: loading (a) stock deepspeed.init_inference and (b) codegen policy on {run.tp} ranks")
+    models = {"stock": run.build("stock", job, opts), "codegen": run.build("codegen", job, opts)}
+    block_counts, hooks, record = {}, [], {}
+    for mode, model in models.items():
+        blocks = moe_blocks(model)
+        block_counts[mode], handles = per_block_counts(blocks, counter)
+        hooks += handles
+        record[mode] = {"bytes": param_bytes(model), "moe_blocks": len(blocks)}
+
+    def order(k: int) -> tuple[str, str]:
+        return ("stock", "codegen") if k % 2 == 0 else ("codegen", "stock")  # ABBA
+
+    def timed(mode, *a, **kw):
+        dist.barrier()
+        before, blocks_before = counter.calls, list(block_counts[mode])
+        run.sync()
+        t0 = time.perf_counter()
+        output = models[mode](*a, **kw)
+        run.sync()
+        elapsed = time.perf_counter() - t0
+        per_block = [x - y for x, y in zip(block_counts[mode], blocks_before)]
+        return output, elapsed, counter.calls - before, per_block
+
+    run.say(f"{name}: prefill {opts['prompt_len']} tokens x {warmup} warm-up + {repeats} timed, a/b alternating")
+    with torch.no_grad():
+        for k in range(warmup):
+            for mode in order(k):
+                timed(mode, ids)
+        for mode in models:
+            output, _, calls, per_block = timed(mode, ids)
+            record[mode].update(prefill_allreduce=calls, prefill_allreduce_per_moe_block=per_block,
+                                prefill_maxdiff=(output.logits.float().cpu() - ref.logits).abs().max().item(),
+                                prefill_s=[])
+        for k in range(repeats):
+            for mode in order(k):
+                record[mode]["prefill_s"].append(timed(mode, ids)[1])
+
+        run.say(f"{name}: decode {warmup} warm-up + {steps} timed steps, a/b alternating every step")
+        caches = {}
+        for mode in models:
+            caches[mode] = cache_of(timed(mode, ids, use_cache=True)[0])
+            record[mode].update(decode_s=[], decode_allreduce=[], decode_allreduce_per_moe_block=[], decode_maxdiff=0.0)
+        for k in range(warmup + steps):
+            for mode in order(k):
+                output, elapsed, calls, per_block = timed(mode, ref.forced[k], past_key_values=caches[mode],
+                                                          use_cache=True)
+                caches[mode] = cache_of(output)
+                r = record[mode]
+                r["decode_maxdiff"] = max(r["decode_maxdiff"],
+                                          (output.logits.float().cpu() - ref.step_logits[k]).abs().max().item())
+                if k >= warmup:
+                    r["decode_s"].append(elapsed)
+                    r["decode_allreduce"].append(calls)
+                    r["decode_allreduce_per_moe_block"].append(per_block)
+    for h in hooks:
+        h.remove()
+    models.clear()
+    return {**record, "full_bytes": ref.bytes,
+            "reference": {"prefill_s": ref.prefill_s, "decode_s": ref.decode_s[warmup:]}}
+
+
 # --------------------------------------------------------------------------------------------------- main
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True, help="dir to run (patched for codegen / no-policy, unpatched for stock)")
-    ap.add_argument("--reference", required=True, help="unpatched dir for the single-process reference")
-    ap.add_argument("--mode", required=True,
-                    help="phases in order, comma-separated: no-policy, codegen, stock (stock loads --reference "
-                         "unless it is the only phase)")
-    ap.add_argument("--tp", type=int, required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--prompt-len", type=int, default=16)
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--generate", type=int, default=16)
-    ap.add_argument("--decode-steps", type=int, default=0)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=1, help="timed prefills")
-    ap.add_argument("--grad-check", action="store_true")
-    ap.add_argument("--tp-grain-size", type=int, default=0,
-                    help="DeepSpeed's tp_grain_size (default: DeepSpeed's, 64); tiny models need less to split evenly")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--device", default="cpu")
-    args = ap.parse_args()
-    modes = args.mode.split(",")
-    bad = [m for m in modes if m not in ("no-policy", "codegen", "stock")]
-    if bad:
-        ap.error(f"unknown mode(s) {bad}")
+def model_config(directory: str) -> dict:
+    return json.loads(Path(directory, "config.json").read_text())
 
+
+def run_job(run: Run, job: dict, defaults: dict, timings: dict) -> dict:
+    opts = {**DEFAULTS, **defaults, **job.get("options", {})}
+    name = job["name"]
+    vocab = model_config(job["reference"])["vocab_size"]
+    ids = torch.randint(0, vocab, (opts["batch"], opts["prompt_len"]), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(run.device)
+    phases = job["phases"]
+    decode = opts["warmup"] + opts["decode_steps"] if "ab" in phases else 0
+    run.say(f"{name}: single-process reference (prefill {opts['prompt_len']} tokens"
+            + (f" + {decode} greedy decode steps)" if decode else ")"))
+    t = time.perf_counter()
+    ref = Reference(run, job["reference"], ids, opts["generate"] if set(phases) - {"ab"} else 0, decode)
+    timings[f"{name}/reference_s"] = time.perf_counter() - t
+    out = {}
+    for phase in phases:
+        t = time.perf_counter()
+        if phase == "ab":
+            out[phase] = {"num_layers": model_config(job["reference"])["num_hidden_layers"],
+                          **measure_ab(run, job, opts, ids, ref)}
+        else:
+            run.say(f"{name}: {phase}")
+            model = run.build(phase, job, opts)
+            timings[f"{name}/{phase}_load_s"] = time.perf_counter() - t
+            out[phase] = measure(phase, model, run, opts, ids, ref)
+            del model
+        gc.collect()
+        timings[f"{name}/{phase}_s"] = time.perf_counter() - t
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m codegen.tp_worker")
+    ap.add_argument("--spec", required=True, help="the launch's spec (JSON; codegen.runtime.launch writes it)")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        _main(json.loads(Path(args.spec).read_text()), Path(args.out))
+    except BaseException as exc:  # one line for the launcher, then fail the rank
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        Path(args.out, f"rank{rank}.error").write_text(f"{type(exc).__name__}: {message}\n")
+        raise
+
+
+def _main(spec: dict, out: Path) -> None:
     import deepspeed
     import deepspeed.comm as dist
 
+    from codegen.runtime import preload_shm_op, save_shm_op
+
+    bad = [p for job in spec["jobs"] for p in job["phases"] if p not in PHASES]
+    if bad:
+        raise ValueError(f"unknown phase(s) {bad}: expected {PHASES}")
     timings = {"import_torch_s": _T_TORCH - _T0}
+    device_kind = spec.get("device", "cpu")
+    if device_kind == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     t = time.perf_counter()
-    deepspeed.init_distributed(dist_backend="gloo" if args.device == "cpu" else "nccl")
+    preloaded = device_kind == "cpu" and preload_shm_op()
+    deepspeed.init_distributed(dist_backend="gloo" if device_kind == "cpu" else "nccl")
     timings["import_deepspeed_init_s"] = time.perf_counter() - t
+    if device_kind == "cpu" and not preloaded and dist.get_rank() == 0:
+        save_shm_op()
     counter = AllReduceCounter()
     counter.install()
-    rank = dist.get_rank()
-    dtype = getattr(torch, args.dtype)
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cpu") if args.device == "cpu" else torch.device(args.device, local_rank)
-    vocab = json.loads(Path(args.reference, "config.json").read_text())["vocab_size"]
-    ids = torch.randint(0, vocab, (args.batch, args.prompt_len), generator=torch.Generator().manual_seed(1))
-
-    t = time.perf_counter()
-    ref = Reference(args.reference, ids, args.generate)
-    timings["reference_s"] = time.perf_counter() - t
-    timings.update(ref.timings)
-    phases = {}
-    for mode in modes:
-        t = time.perf_counter()
-        model = build(mode, args, dtype, modes)
-        timings[f"{mode}_load_s"] = time.perf_counter() - t
-        t = time.perf_counter()
-        phases[mode] = measure(mode, model, args, ids.to(device), ref, counter, dist)
-        timings[f"{mode}_measure_s"] = time.perf_counter() - t
-        del model
-        gc.collect()
+    run = Run(spec, dist, counter)
+    record = {"rank": run.rank, "world_size": dist.get_world_size(), "timings": timings, "jobs": {}}
+    if device_kind == "cuda":
+        record["gpu"] = torch.cuda.get_device_name(run.device)
+    for job in spec["jobs"]:
+        record["jobs"][job["name"]] = run_job(run, job, spec.get("options", {}), timings)
+        run.say(f"{job['name']}: done ({time.perf_counter() - _T0:.0f}s on the ranks so far)")
     timings["total_s"] = time.perf_counter() - _T0
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    record = {"rank": rank, "world_size": dist.get_world_size(), "timings": timings, "phases": phases}
-    Path(args.out, f"rank{rank}.json").write_text(json.dumps(record))
+    out.mkdir(parents=True, exist_ok=True)
+    Path(out, f"rank{run.rank}.json").write_text(json.dumps(record))
     dist.barrier()
     # Python's teardown of torch / DeepSpeed takes seconds and does nothing for a finished rank
     sys.stdout.flush()

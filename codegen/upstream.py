@@ -9,7 +9,8 @@ dir and the modeling file is read out of the wheel, so the fetch does not depend
     python -m codegen.upstream regenerate   # rewrite generated/; review and commit its diff deliberately
 
 Cache: `$CODEGEN_UPSTREAM_CACHE`, else `~/.cache/codegen/upstream` (a dir holding the pinned wheels works offline).
-The expected outputs come from the code path `patch` uses: `rewrite_source` with `render_helper_block`, and
+The expected outputs come from the code path `patch` uses: `rewrite_modeling` (the libcst rewrite, helper block and
+version guard), and
 `render_policy` (codegen.plan).
 """
 
@@ -30,8 +31,8 @@ from pathlib import Path
 from codegen import __version__
 from codegen.errors import IOFailure
 from codegen.families import FAMILIES, Family
-from codegen.plan import render_helper_block, render_policy
-from codegen.rewrite import Rewrite, RewriteTarget, rewrite_source
+from codegen.plan import render_policy, restore_info, rewrite_modeling
+from codegen.rewrite import Rewrite, RewriteTarget
 from codegen.source import PATCHED_SUFFIX
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -302,12 +303,21 @@ def build(entry: Entry, cache: Path | None = None) -> Result:
 def _build(entry: Entry, cache: Path) -> Result:
     family = FAMILIES[entry.family]
     original = read_source(entry, cache)
-    rewrite = rewrite_source(original, target_of(entry), render_helper_block(family))
+    rewrite = rewrite_modeling(original, target_of(entry), family, entry.release,
+                               restore_info(_stock_config(entry, family), family))
     files = {
         repo_path(entry.diff_path): modeling_diff(entry, original, rewrite.code),
         repo_path(entry.policy_path): policy_file(entry, render_policy(family, entry.module_name)),
     }
     return Result(entry, original, rewrite, files)
+
+
+def _stock_config(entry: Entry, family: Family) -> dict:
+    """The auto_map / model_type of a stock dir of this source (the marker records what patch replaces)."""
+    config: dict = {"model_type": family.model_type}
+    if entry.release is None:
+        config["auto_map"] = {"AutoModelForCausalLM": f"{Path(entry.path).stem}.{family.auto_classes['AutoModelForCausalLM']}"}
+    return config
 
 
 def repo_path(path: Path) -> str:

@@ -1,6 +1,6 @@
 """Every family of the table on 2 real DeepSpeed CPU ranks under its own generated policy, in ONE launch.
 
-For each family: a tiny random checkpoint from the table's config class and `codegen.examples.SHAPES["tiny"]`,
+For each family: a tiny random checkpoint (`codegen.examples.build_example`, the table's config class),
 patched by the CLI (a subprocess, as a user runs it); then 2 ranks (tests/families_tp_rank.py, started with
 torchrun's environment) load every patched dir in turn and apply `autotp_policy.init_inference` (tp_size 2).
 Asserted per family and rank: logits within 1e-5 of one process (the pristine dir, transformers' built-in
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from codegen.examples import SHAPES
+from codegen.examples import SHAPES, build_example
 from codegen.families import FAMILIES
 
 pytestmark = pytest.mark.runtime
@@ -48,21 +48,6 @@ def _families() -> list[str]:
 
 
 FAMILY_NAMES = _families()
-
-
-def _build(name: str, out: Path) -> Path:
-    """A random hub-format checkpoint of the family's tiny shape (random but non-trivial routers and experts)."""
-    import torch
-    import transformers
-
-    config = getattr(transformers, FAMILIES[name].config_class)(**SHAPES["tiny"][name])
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0, 0.05)
-    model.save_pretrained(out)
-    return out
 
 
 def _free_port() -> int:
@@ -118,7 +103,7 @@ def measured(tmp_path_factory) -> dict[str, list[dict]]:
     base = tmp_path_factory.mktemp("families-tp")
     pairs = []
     for name in FAMILY_NAMES:
-        pristine = _build(name, base / f"{name}.pristine")
+        pristine = build_example(name, base / f"{name}.pristine")
         patched = base / name
         shutil.copytree(pristine, patched)
         done = subprocess.run([sys.executable, "-m", "codegen", "patch", "-q", str(patched)], cwd=ROOT,

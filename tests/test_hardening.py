@@ -1,7 +1,7 @@
 """Nothing is lost under interruption, failing writes, concurrency or drift.
 
-Kills: `CODEGEN_FAULT_AFTER=N` makes a run `os._exit(137)` right after its N-th file operation; every N is
-tried until the run completes. Runs are forked children of the test process: a real process dies and the
+Kills: `fault_cli.install_fault(N)` injects a hook that makes a run `os._exit(137)` right after its N-th file
+operation (`python tests/fault_cli.py N ARGS` for a real process); every N is tried until the run completes. Runs are forked children of the test process: a real process dies and the
 test survives, and a child may monkeypatch os.write & co. to fail (disk full, permissions) without touching
 pytest. The libcst rewrite is a pure function of the source text, so the parent memoises it before forking
 and a sweep of hundreds of runs stays fast; end-to-end checks use real `python -m codegen` processes.
@@ -40,7 +40,7 @@ import codegen.plan  # noqa: F401
 from conftest import ROOT, run_codegen, tree_digest
 
 HUB_FIXTURE = ROOT / "tests" / "fixtures" / "hub_deepseek"
-FAULT = "CODEGEN_FAULT_AFTER"
+FAULT_CLI = ROOT / "tests" / "fault_cli.py"
 KNOB = "codegen_coalesce_moe_all_reduce"
 
 # ------------------------------------------------------------------------------------------- model dirs
@@ -166,10 +166,10 @@ def cli(*args, fault: int | None = None, setup=None, stdout_errors: str = "surro
                 # as under a C.UTF-8 locale (this CI); see test_injection for a strict-stdout locale
                 sys.stdout = open(1, "w", encoding="utf-8", errors=stdout_errors, closefd=False)
                 sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
-                if fault is None:
-                    os.environ.pop(FAULT, None)
-                else:
-                    os.environ[FAULT] = str(fault)
+                if fault is not None:
+                    from fault_cli import install_fault
+
+                    install_fault(fault)
                 if setup is not None:
                     setup()
                 from codegen.cli import main
@@ -405,6 +405,7 @@ def _emulate_old_layout(d: Path) -> None:
     }
     assert record["original"] == {"kind": "absent"}
     manifest["files"]["config.json"]["written_sha256"] = hashlib.sha256(config_bytes).hexdigest()
+    manifest.pop("inputs", None)  # an older codegen recorded no input fingerprint
     manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 
@@ -421,7 +422,7 @@ SWEEPS = {
     "revert-qwen2_moe-hf_cache": ("qwen2_moe", "hf_cache", "revert", "patched", ()),
     "revert-hub_deepseek-hf_cache": ("hub_deepseek", "hf_cache", "revert", "patched", ()),
     "repatch-no-coalesce-qwen2_moe": ("qwen2_moe", "plain", "patch", "patched", ("--no-coalesce",)),
-    "repatch-coalesce-hub_deepseek": ("hub_deepseek", "hf_cache", "patch", "patched-no-coalesce", ()),
+    "repatch-coalesce-hub_deepseek": ("hub_deepseek", "hf_cache", "patch", "patched-no-coalesce", ("--coalesce",)),
     "repatch-from-old-layout-hub_deepseek": ("hub_deepseek", "plain", "patch", "patched-old-layout", ()),
 }
 
@@ -458,9 +459,9 @@ def test_first_patch_kills_land_only_in_before_or_fully_patched(fast, tmp_path_f
 def test_fault_hook_kills_a_real_process_and_the_next_run_finishes(tmp_path):
     d = build("qwen2_moe", tmp_path / "m")
     before = tree_digest(d)
-    env = {**os.environ, FAULT: "2"}
-    killed = run_codegen("patch", d, env=env)
-    assert killed.returncode == 137
+    killed = subprocess.run([sys.executable, str(FAULT_CLI), "2", "patch", str(d)], capture_output=True, text=True,
+                            cwd=ROOT, timeout=300)
+    assert killed.returncode == 137, killed.stderr
     assert json.loads((d / "config.json").read_text()) == QWEN_CONFIG  # commit point not reached
     assert run_codegen("patch", d).returncode == 0
     assert run_codegen("patch", "--check", d).returncode == 0

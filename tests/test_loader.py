@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from codegen.families import FAMILIES
 from conftest import run_codegen
 
 pytestmark = pytest.mark.loader
@@ -58,8 +59,8 @@ def test_policy_module_imports_and_names_its_gates(make_dir):
     spec = importlib.util.spec_from_file_location("policy_under_test", d / "autotp_policy.py")
     policy = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(policy)
-    assert policy.FAMILY == "qwen2_moe"
-    assert set(policy.REPLICATED) == {"mlp.gate", "mlp.shared_expert_gate"}
+    assert policy.LAYOUT == FAMILIES["qwen2_moe"].policy_layout()
+    assert set(policy.LAYOUT["routers"]) == set(FAMILIES["qwen2_moe"].routers) and policy.LAYOUT["routers"]
     assert callable(policy.init_inference)
     assert json.loads((d / "config.json").read_text())[policy.KNOB] is True
 

@@ -82,16 +82,23 @@ def test_diff_prints_unified_diff_and_writes_nothing(make_dir):
     assert again.returncode == 0 and again.stdout == ""
 
 
-def test_no_coalesce_writes_the_knob_off_and_back_on(make_dir):
+def test_no_coalesce_sticks_until_coalesce_turns_it_back_on(make_dir):
     d = make_dir("qwen2_moe")
     before = tree_digest(d)
     assert run_codegen("patch", "--no-coalesce", d).returncode == 0
     assert json.loads((d / "config.json").read_text())[KNOB] is False
-    # the dir is up to date for --no-coalesce, not for the default
+    # the recorded choice sticks: a plain --check passes and says which, a plain patch keeps it off
+    plain = run_codegen("patch", "--check", d)
+    assert plain.returncode == 0 and "knob off" in plain.stdout
     assert run_codegen("patch", "--check", "--no-coalesce", d).returncode == 0
-    assert run_codegen("patch", "--check", d).returncode == 1
-    assert run_codegen("patch", d).returncode == 0
+    wants_on = run_codegen("patch", "--check", "--coalesce", d)
+    assert wants_on.returncode == 1 and KNOB in wants_on.stderr and len(wants_on.stderr.splitlines()) == 1
+    again = run_codegen("patch", d)
+    assert again.returncode == 0 and "unchanged" in again.stdout
+    assert json.loads((d / "config.json").read_text())[KNOB] is False
+    assert run_codegen("patch", "--coalesce", d).returncode == 0
     assert json.loads((d / "config.json").read_text())[KNOB] is True
+    assert run_codegen("patch", "--check", d).returncode == 0
     assert run_codegen("revert", d).returncode == 0
     assert tree_digest(d) == before
 
@@ -165,3 +172,30 @@ def test_bad_input_is_one_line_with_documented_exit_code(tmp_path, setup, code, 
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
     if before is not None:
         assert tree_digest(d) == before
+
+
+def test_api_returns_results_the_cli_prints(make_dir):
+    """codegen.api is what the CLI, the demo and the bench call: results, not printed text."""
+    from codegen import api
+
+    d = make_dir("qwen2_moe")
+    before = tree_digest(d)
+    assert not api.check(d).up_to_date
+    shown = api.diff(d)
+    assert "+++ b/config.json" in shown.diff and tree_digest(d) == before
+    first = api.patch(d)  # a plain Path is enough
+    assert first.changed and first.family == "qwen2_moe" and first.coalesce
+    assert first.written == ["autotp_policy.py", "config.json", "modeling_qwen2_moe.py"]
+    assert not api.patch(d).changed
+    check = api.check(d)
+    assert check.up_to_date and check.problems == [] and check.coalesce is True
+    assert api.diff(d).diff == ""
+    reverted = api.revert(d)
+    assert reverted.was_patched and reverted.not_exact == [] and tree_digest(d) == before
+    assert not api.revert(d).was_patched
+
+
+def test_the_fault_hook_is_not_read_from_the_environment(make_dir):
+    d = make_dir("qwen2_moe")
+    r = run_codegen("patch", d, env={**os.environ, "CODEGEN_FAULT_AFTER": "1"})
+    assert r.returncode == 0, r.stderr  # only a test-side wrapper (tests/fault_cli.py) can install it

@@ -55,7 +55,7 @@ def four_ranks(_tiny_templates, tmp_path_factory):
     with tempfile.TemporaryDirectory() as tmp:
         pristine = materialize_unpatched(directory, Path(tmp) / "unpatched")
         return run_phases(directory, pristine, ["no-policy", "codegen"], tp=2, world=4, timeout=900,
-                          extra=["--generate", "16", "--grad-check", "--tp-grain-size", "16"])
+                          options={"generate": 16, "grad_check": True, "tp_grain_size": 16})
 
 
 def test_world4_tp2_results_match_one_process(four_ranks):
@@ -109,6 +109,22 @@ def test_world4_backward_and_no_policy(four_ranks):
     for r in four_ranks["no-policy"]:
         assert r["maxdiff"] == 0.0 and r["same_tokens"] is True
         assert r["allreduce_per_forward"] == r["allreduce_per_forward_profiler"] == 0
+
+
+# ----------------------------------------------------------------------------------- the launcher's failures
+
+
+@pytest.mark.once
+def test_a_failing_rank_is_one_line_and_stops_the_others(tmp_path):
+    from codegen.errors import VerifyFailed
+    from codegen.runtime import launch
+
+    missing = str(tmp_path / "missing")
+    spec = {"tp": 2, "jobs": [{"name": "x", "model": missing, "reference": missing, "phases": ["codegen"]}]}
+    with pytest.raises(VerifyFailed) as failed:
+        launch(spec, 2, 300, what="verify")
+    message = failed.value.message
+    assert "\n" not in message and message.startswith("verify: rank ") and "FileNotFoundError" in message
 
 
 # ------------------------------------------------------------------------------------- errors, 1 process

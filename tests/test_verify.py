@@ -1,10 +1,12 @@
 """`python -m codegen verify <dir> --tp 2`, as a user runs it, and the figures it measures.
 
-Each dir is patched and verified once per session by real `python -m codegen` processes; verify
-starts 2 real DeepSpeed ranks (fp32, CPU) that measure, in one launch, the patched dir without a
-TP policy, under its generated policy, and stock AutoTP on the unpatched dir, all against the
-unpatched model run in one process. The tests below assert on its exit status, its report and
-the JSON it writes (`--json`).
+The patched dirs of every family, and one patched with the knob off, are verified together in ONE
+launch of 2 real DeepSpeed ranks (fp32, CPU; codegen.verify.verify_dirs, what `verify` runs for one
+dir), which measures per dir: the patched dir without a TP policy, under its generated policy, and
+stock AutoTP on the unpatched dir, all against the unpatched model run in one process. The tests below
+assert on those records (codegen.results' schema). The command itself (`python -m codegen verify
+--json`, a real process) is run once, in the latest environment, on the knob-off dir: exit status 6,
+its report and FAIL lines, and the JSON it writes.
 
 Tiny checkpoints (tests/conftest.py): qwen2_moe has 2 layers, both MoE; deepseek_v2 has 2 layers,
 the first dense (first_k_dense_replace=1), the second MoE. DeepSpeed makes the LM head row-parallel,
@@ -18,56 +20,80 @@ import shutil
 
 import pytest
 
-from conftest import run_codegen
+from conftest import FAMILIES, run_codegen
 
 pytestmark = pytest.mark.runtime
 
 TP = 2
 TOL = 1e-5
-#: (attention blocks, MoE blocks, dense MLP blocks) of the tiny checkpoints
-SHAPE = {"qwen2_moe": (2, 2, 0), "deepseek_v2": (2, 1, 1)}
+def _blocks(family: str) -> tuple[int, int, int]:
+    """(attention blocks, MoE blocks, dense MLP blocks) of a tiny checkpoint (codegen.examples SHAPES["tiny"])."""
+    from codegen.examples import SHAPES
+    from codegen.families import FAMILIES as TABLE
+    from codegen.plan import moe_layers
+
+    config, table = SHAPES["tiny"][family], TABLE[family]
+    layers, moe = config[table.num_layers_key], len(moe_layers(config, table))
+    return layers, moe, layers - moe
+
+
+SHAPE = {family: _blocks(family) for family in FAMILIES}
 VERIFY_FAILED = 6
 
 
-class Verified:
-    def __init__(self, proc, report: dict | None, directory) -> None:
-        self.proc, self._report, self.dir = proc, report, directory
+def _patched(templates, tmp_path_factory, kind: str, *flags: str):
+    directory = tmp_path_factory.mktemp(f"verify-{kind}") / kind
+    shutil.copytree(templates[kind], directory)
+    patch = run_codegen("patch", directory, *flags)
+    assert patch.returncode == 0, patch.stderr
+    return directory
 
-    @property
-    def report(self) -> dict:
-        assert self._report is not None, f"verify wrote no JSON:\n{self.proc.stdout}\n{self.proc.stderr}"
-        return self._report
+
+KNOB_OFF = "knob-off"
 
 
 @pytest.fixture(scope="session")
 def verified(_tiny_templates, tmp_path_factory):
-    """verified(kind, coalesce=True) -> Verified: `patch` then `verify --tp 2 --json`, once per session."""
-    cache: dict = {}
+    """{family | KNOB_OFF: (dir, record)}: every family's patched dir, and a qwen2_moe dir patched with
+    `--no-coalesce`, verified in one launch (codegen.verify.verify_dirs)."""
+    from codegen.verify import verify_dirs
 
-    def run(kind: str, coalesce: bool = True) -> Verified:
-        key = (kind, coalesce)
-        if key not in cache:
-            directory = tmp_path_factory.mktemp(f"verify-{kind}-{'on' if coalesce else 'off'}") / kind
-            shutil.copytree(_tiny_templates[kind], directory)  # what make_dir does, shared by the session
-            patch = run_codegen("patch", directory, *([] if coalesce else ["--no-coalesce"]))
-            assert patch.returncode == 0, patch.stderr
-            out = directory.parent / "verify.json"
-            proc = run_codegen("verify", directory, "--tp", TP, "--json", out, timeout=900)
-            cache[key] = Verified(proc, json.loads(out.read_text()) if out.exists() else None, directory)
-        return cache[key]
-
-    return run
+    dirs = {family: _patched(_tiny_templates, tmp_path_factory, family) for family in FAMILIES}
+    dirs[KNOB_OFF] = _patched(_tiny_templates, tmp_path_factory, "qwen2_moe", "--no-coalesce")
+    records = verify_dirs(list(dirs.values()), TP, timeout=900)
+    return {key: (d, r) for (key, d), r in zip(dirs.items(), records)}
 
 
-FAMILIES = tuple(SHAPE)
+def _routed_expert(name: str) -> bool:
+    """A routed-expert weight, by the table's names: per-expert modules or fused 3-D tensors."""
+    from codegen.families import FAMILIES as TABLE
+
+    return any(f".{f.experts_attr}." in name or name.endswith((f".{f.experts_attr}.{f.fused.gate_up}",
+                                                              f".{f.experts_attr}.{f.fused.down}"))
+               for f in TABLE.values())
+
+
+def _report(verified, family) -> dict:
+    _, record = verified[family]
+    return record["families"][family]
+
+
+def test_the_shapes_here_are_the_tiny_examples():
+    from codegen.examples import SHAPES
+
+    assert set(SHAPE) == set(FAMILIES) == set(SHAPES["tiny"])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_verify_prints_its_report_and_exits_0(verified, family):
-    v = verified(family)
-    assert v.proc.returncode == 0, v.proc.stdout + v.proc.stderr
-    out = v.proc.stdout
-    assert f"verify {v.dir} (tp=2, world=2" in out
+def test_verify_report_and_verdict(verified, family):
+    from codegen.verify import format_report, ok_line
+
+    directory, record = verified[family]
+    assert record["schema"] == "codegen-result/1" and record["command"] == "verify"
+    assert record["problems"] == [] and record["ok"] is True
+    assert record["tolerance"] == TOL and record["tp"] == TP
+    out = format_report(directory, record) + "\n" + ok_line(TP)
+    assert f"verify {directory} (tp=2, world=2" in out
     for row in ("codegen", "stock", "no-policy"):
         assert any(line.split()[:1] == [row] for line in out.splitlines()), out
     attention, moe, dense = SHAPE[family]
@@ -75,12 +101,11 @@ def test_verify_prints_its_report_and_exits_0(verified, family):
     assert "greedy 16 tokens: identical" in out
     assert "backward through the MoE reduction: gradient unchanged" in out
     assert out.rstrip().splitlines()[-1].startswith("OK: one all-reduce per MoE layer")
-    assert "FAIL" not in v.proc.stderr
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_within_1e5_and_16_greedy_tokens_identical(verified, family):
-    ranks = verified(family).report["codegen"]
+    ranks = _report(verified, family)["codegen"]
     assert len(ranks) == TP
     for r in ranks:
         assert r["maxdiff"] <= TOL
@@ -90,7 +115,7 @@ def test_logits_within_1e5_and_16_greedy_tokens_identical(verified, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_one_allreduce_per_block_and_none_per_expert(verified, family):
     attention, moe, dense = SHAPE[family]
-    for r in verified(family).report["codegen"]:
+    for r in _report(verified, family)["codegen"]:
         assert (r["attention_blocks"], r["moe_blocks"], r["dense_mlp_blocks"]) == (attention, moe, dense)
         assert r["allreduce_per_moe_block"] == [1] * moe  # routed + shared experts: exactly one, none per expert
         assert r["allreduce_per_attention_block"] == [1] * attention
@@ -107,7 +132,7 @@ def test_one_allreduce_per_block_and_none_per_expert(verified, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_stock_autotp_is_what_the_knob_improves_on(verified, family):
     """Same numerics as stock AutoTP; stock either reduces per expert or leaves the experts unsharded."""
-    report = verified(family).report
+    report = _report(verified, family)
     for ours, stock in zip(report["codegen"], report["stock"]):
         assert stock["maxdiff"] <= TOL
         assert ours["allreduce_per_forward"] <= stock["allreduce_per_forward"]
@@ -119,7 +144,7 @@ def test_stock_autotp_is_what_the_knob_improves_on(verified, family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_routed_experts_halved_and_routers_whole(verified, family):
-    for r in verified(family).report["codegen"]:
+    for r in _report(verified, family)["codegen"]:
         assert r["full_bytes"]["experts"] > 0
         assert r["bytes"]["experts"] * TP == r["full_bytes"]["experts"]
         assert r["bytes"]["gates"] == r["full_bytes"]["gates"] > 0
@@ -130,7 +155,7 @@ def test_routed_experts_halved_and_routers_whole(verified, family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_sharded_weights_stay_registered_parameters_and_no_full_copy_survives(verified, family):
-    ranks = verified(family).report["codegen"]
+    ranks = _report(verified, family)["codegen"]
     for r in ranks:
         assert r["sharded_params"] > 0
         assert r["sharded_unknown"] == []
@@ -138,7 +163,7 @@ def test_sharded_weights_stay_registered_parameters_and_no_full_copy_survives(ve
         assert r["oversized_storage_params"] == []  # no shard is a view pinning the full tensor
         assert r["full_size_copies_alive"] == 0
         for name, (shape, full) in r["sharded_shapes"].items():
-            if ".experts." in name or name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            if _routed_expert(name):
                 assert shape != full and len(shape) == len(full), name
     # DeepSpeed cuts its layers in tp_grain_size (64) steps, so on these 64-wide models a layer may sit
     # whole on one rank; the group as a whole holds every sharded weight exactly once.
@@ -149,7 +174,7 @@ def test_sharded_weights_stay_registered_parameters_and_no_full_copy_survives(ve
 @pytest.mark.parametrize("family", FAMILIES)
 def test_patched_model_without_a_policy_is_the_unpatched_model(verified, family):
     """torch.distributed is up, no TP policy applied: bit-identical, and no stray reduction."""
-    for r in verified(family).report["no-policy"]:
+    for r in _report(verified, family)["no-policy"]:
         assert r["maxdiff"] == 0.0
         assert r["same_tokens"] is True
         assert r["allreduce_per_forward"] == 0
@@ -161,7 +186,7 @@ def test_patched_model_without_a_policy_is_the_unpatched_model(verified, family)
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_inserted_reduction_backward_passes_the_gradient_through(verified, family):
-    for r in verified(family).report["codegen"]:
+    for r in _report(verified, family)["codegen"]:
         grad = r["grad_check"]
         assert grad["applicable"] is True
         assert grad["autograd_node"] == "_AllReduceSumBackward"  # grad enabled: the autograd-aware all-reduce
@@ -171,18 +196,16 @@ def test_inserted_reduction_backward_passes_the_gradient_through(verified, famil
         assert grad["grad_identity"] is True
 
 
-def test_knob_off_keeps_deepspeeds_reductions_and_verify_exits_6(verified):
+def test_knob_off_keeps_deepspeeds_reductions_and_fails_verify(verified):
     """`patch --no-coalesce`: correct results with DeepSpeed's per-layer reductions; verify reports the
-    MoE layers that do not get the one-reduction treatment and exits 6."""
-    v = verified("qwen2_moe", coalesce=False)
-    assert json.loads((v.dir / "config.json").read_text())["codegen_coalesce_moe_all_reduce"] is False
-    assert v.proc.returncode == VERIFY_FAILED, v.proc.stdout + v.proc.stderr
-    assert "verify " in v.proc.stdout and "codegen" in v.proc.stdout  # the report is still printed
-    fails = [line for line in v.proc.stderr.splitlines() if line.startswith("FAIL ")]
-    assert fails and v.proc.stderr.rstrip().splitlines()[-1].startswith("error: ")
-    assert "expected 1 each" in v.proc.stderr or "routed experts hold" in v.proc.stderr
-    assert "OK:" not in v.proc.stdout
-    report = v.report
+    MoE layers that do not get the one-reduction treatment."""
+    from codegen.families import KNOB
+
+    directory, record = verified[KNOB_OFF]
+    assert json.loads((directory / "config.json").read_text())[KNOB] is False
+    assert record["ok"] is False
+    assert any("expected 1 each" in p or "routed experts hold" in p for p in record["problems"])
+    report = record["families"]["qwen2_moe"]
     for off, stock in zip(report["codegen"], report["stock"]):
         assert off["maxdiff"] <= TOL and off["same_tokens"] is True
         assert off["grad_check"] == {"applicable": False}  # the patched forward does not reduce
@@ -196,6 +219,26 @@ def test_knob_off_keeps_deepspeeds_reductions_and_verify_exits_6(verified):
         assert per_expert or unsharded
     for r in report["no-policy"]:
         assert r["maxdiff"] == 0.0 and r["allreduce_per_forward"] == 0
+
+
+@pytest.mark.once
+def test_verify_command_on_the_knob_off_dir_exits_6_with_its_report(verified):
+    """The command as a user runs it: report on stdout, one FAIL line per problem, one error line, exit 6."""
+    directory, batched = verified[KNOB_OFF]
+    out = directory.parent / "verify.json"
+    proc = run_codegen("verify", directory, "--tp", TP, "--json", out, timeout=900)
+    assert proc.returncode == VERIFY_FAILED, proc.stdout + proc.stderr
+    record = json.loads(out.read_text())
+    assert record["schema"] == "codegen-result/1" and record["ok"] is False
+    assert f"verify {directory} (tp=2, world=2" in proc.stdout  # the report is still printed
+    for row in ("codegen", "stock", "no-policy"):
+        assert any(line.split()[:1] == [row] for line in proc.stdout.splitlines()), proc.stdout
+    fails = [line for line in proc.stderr.splitlines() if line.startswith("FAIL ")]
+    assert fails == [f"FAIL {p}" for p in record["problems"]] and fails
+    assert proc.stderr.rstrip().splitlines()[-1].startswith("error: ")
+    assert "OK:" not in proc.stdout and "Traceback" not in proc.stderr
+    # the same figures as the batched launch: one worker, one check
+    assert record["problems"] == batched["problems"]
 
 
 def test_verify_refuses_an_unpatched_dir_and_a_bad_world(make_dir):

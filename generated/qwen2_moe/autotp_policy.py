@@ -39,7 +39,7 @@ forward does not reduce. On CPU, each rank removes its own DeepSpeed shared-memo
 LAYOUT = {'family': 'qwen2_moe', 'moe_classes': ['Qwen2MoeSparseMoeBlock'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': ''}, 'shared': ['shared_expert'], 'routers': ['gate', 'shared_expert_gate'], 'attention_replicated': [], 'attention_head_params': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'shared_expert_intermediate_size', 'intermediate_size']}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_qwen2_moe'
-RUNTIME_SHA256 = '7dc7546a98d21f5b1be87d647b3031117a50bf687692c98ddcc82649cf154b93'
+RUNTIME_SHA256 = '6a4ac657f91f29a8dd19ec46e32cf4d3d55b430406af743e0b8c8a1a95440881'
 
 # ---- codegen/policy_runtime.py, verbatim ----
 """The AutoTP policy runtime: shard a codegen-patched MoE model with DeepSpeed and reduce once per MoE layer.
@@ -66,11 +66,6 @@ import signal
 import sys
 
 import torch
-
-#: set by the generated header before this text; empty when imported as codegen.policy_runtime
-LAYOUT = globals().get("LAYOUT", {})
-KNOB = globals().get("KNOB", "")
-MODELING_MODULE = globals().get("MODELING_MODULE", "")
 
 #: the DeepSpeed releases this runtime is tested with (pyproject.toml declares the same range)
 SUPPORTED_DEEPSPEED = "deepspeed>=0.16.9,<0.20"
@@ -109,7 +104,16 @@ def init_inference(model, tp_size, dtype=None, **deepspeed_kwargs):
     Ranks form tensor-parallel groups of `tp_size` consecutive ranks (one node's GPUs under the
     `deepspeed` launcher); every reduction stays inside its own group.
     """
-    return shard_model(model, tp_size, dtype, deepspeed_kwargs, LAYOUT, KNOB)
+    return shard_model(model, tp_size, dtype, deepspeed_kwargs, header_value("LAYOUT", {}), header_value("KNOB", ""))
+
+
+def header_value(name, default):
+    """`LAYOUT`, `KNOB` or `MODELING_MODULE` as the generated header above this text set it.
+
+    Read, never re-assigned here, so the header's literals stay the only assignments of those names;
+    imported as codegen.policy_runtime there is no header and `default` is returned.
+    """
+    return globals().get(name, default)
 
 
 def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
@@ -611,7 +615,7 @@ def check_patched(model, layout, modeling_module=None):
     family = layout["family"]
     if patch.get("family") != family:
         raise PolicyError(f"model was patched for {patch.get('family')!r}, this policy is for {family!r}: re-run patch")
-    expected = MODELING_MODULE if modeling_module is None else modeling_module
+    expected = header_value("MODELING_MODULE", "") if modeling_module is None else modeling_module
     if expected and module_name.rsplit(".", 1)[-1] != expected:
         raise PolicyError(f"model was loaded from {module_name.rsplit('.', 1)[-1]}.py, this policy was written "
                           f"beside {expected}.py: use the autotp_policy.py of the model's own dir")

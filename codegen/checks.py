@@ -1,0 +1,146 @@
+"""The one definition of pass/fail for verify, bench and demo: what the patched dir must do on real ranks.
+
+Every runtime check of codegen reads its figures from codegen.tp_worker and judges them here, with one
+tolerance: the patched dir under its policy reduces exactly once per MoE layer (and once per other
+row-parallel block), holds 1/tp of the routed experts per rank, keeps the routers whole, and (fp32)
+its logits are within TOLERANCE of the unpatched model run in one process; without a policy it is
+that model, bit for bit, and reduces nothing.
+"""
+
+from __future__ import annotations
+
+#: max |logits - single-process reference| for the patched dir under its policy (fp32 on CPU)
+TOLERANCE = 1e-5
+#: greedy tokens compared with the single-process model (verify)
+GENERATE = 16
+
+
+def once_per_layer(counts: list[int]) -> bool:
+    """The contract: exactly one all-reduce in every MoE layer (and at least one MoE layer)."""
+    return bool(counts) and all(c == 1 for c in counts)
+
+
+def within_tolerance(diff: float, tolerance: float | None = TOLERANCE) -> bool:
+    return tolerance is None or diff <= tolerance
+
+
+def lm_head_reductions(r: dict) -> int:
+    """What the LM head needs: one all-reduce when DeepSpeed made it row-parallel, none when replicated."""
+    return 1 if "Allreduce" in (r.get("lm_head_type") or "") else 0
+
+
+def expected_allreduces(r: dict) -> int:
+    """One per attention block, one per MoE block, one per dense MLP block, plus what the LM head needs."""
+    return r["attention_blocks"] + r["moe_blocks"] + r["dense_mlp_blocks"] + lm_head_reductions(r)
+
+
+def breakdown(r: dict) -> str:
+    return (f"attention {r['allreduce_per_attention_block']}, MoE {r['allreduce_per_moe_block']}, "
+            f"dense MLP {r['allreduce_per_dense_mlp_block']}, LM head {r['allreduce_lm_head']}")
+
+
+# ------------------------------------------------------------------------ one-forward phases (verify)
+
+
+def phase_problems(phases: dict, tolerance: float | None = TOLERANCE) -> list[str]:
+    """Problems of one model dir's no-policy / codegen phases ({phase: [rank figures]})."""
+    found = []
+    codegen = phases.get("codegen", [])
+    for r in codegen:
+        found += [f"rank {r['rank']}: {p}" for p in _codegen_problems(r, tolerance)]
+    # DeepSpeed cuts its layers in tp_grain_size steps (64 by default), so a small layer may sit whole on
+    # one rank of the group and be empty on the others; what must hold is that each TP group holds every
+    # sharded weight exactly once (no rank keeps a full or replicated copy of one).
+    tp = codegen[0]["tp_group_size"] if codegen else 1
+    for start in range(0, len(codegen), tp):
+        group = codegen[start:start + tp]
+        held, full = sum(r["sharded_bytes"] for r in group), group[0]["sharded_full_bytes"]
+        if held != full:
+            found.append(f"ranks {start}-{start + tp - 1}: sharded layers hold {held:,} bytes over the TP group, "
+                         f"expected exactly the unsharded {full:,}")
+    for r in phases.get("no-policy", []):
+        if r["maxdiff"] != 0.0:
+            found.append(f"rank {r['rank']}: without a TP policy the patched model differs from the unpatched one "
+                         f"by {r['maxdiff']:.2e} (must be identical)")
+        if r["allreduce_per_forward"]:
+            found.append(f"rank {r['rank']}: without a TP policy the patched model issued "
+                         f"{r['allreduce_per_forward']} all-reduce(s) (must issue none)")
+        if not r.get("same_tokens", True):
+            found.append(f"rank {r['rank']}: without a TP policy greedy tokens differ from the unpatched model")
+    return found
+
+
+def _codegen_problems(r: dict, tolerance: float | None) -> list[str]:
+    found = []
+    tp = r["tp_group_size"]
+    if not within_tolerance(r["maxdiff"], tolerance):
+        found.append(f"logits differ by {r['maxdiff']:.2e} > {tolerance:g}")
+    if not r.get("same_tokens", True):
+        found.append("greedy tokens differ from the single-process model")
+    expected = expected_allreduces(r)
+    if r["allreduce_per_forward"] != expected:
+        found.append(f"{r['allreduce_per_forward']} all-reduces per forward, expected {expected} ({breakdown(r)})")
+    profiled = r.get("allreduce_per_forward_profiler")
+    if profiled is not None and profiled != r["allreduce_per_forward"]:
+        found.append(f"the profiler saw {profiled} all-reduces per forward, the Python entry points "
+                     f"{r['allreduce_per_forward']}: a reduction bypassed the counted entry points")
+    if not r["moe_blocks"]:
+        found.append("no MoE layers found")
+    for key, label in (("moe", "MoE"), ("attention", "attention"), ("dense_mlp", "dense MLP")):
+        counts = r[f"allreduce_per_{key}_block"]
+        if any(c != 1 for c in counts):
+            found.append(f"all-reduces per {label} block {counts}, expected 1 each")
+    if r["allreduce_lm_head"] != lm_head_reductions(r):
+        found.append(f"LM head ({r['lm_head_type']}) issued {r['allreduce_lm_head']} all-reduces, "
+                     f"expected {lm_head_reductions(r)}")
+    if r["bytes"]["experts"] * tp != r["full_bytes"]["experts"]:
+        found.append(f"routed experts hold {r['bytes']['experts']:,} of their {r['full_bytes']['experts']:,} "
+                     f"unsharded bytes on this rank, expected 1/{tp}")
+    if r["sharded_unregistered"]:
+        found.append(f"sharded weights not registered Parameters of the model: {r['sharded_unregistered'][:3]}")
+    if r["oversized_storage_params"]:
+        found.append(f"parameters pin a larger storage (a view of the full tensor): {r['oversized_storage_params'][:3]}")
+    if r["full_size_copies_alive"]:
+        found.append(f"{r['full_size_copies_alive']} full-size copies of sharded weights still alive")
+    if not r["gates_intact"]:
+        found.append("router/gate weights changed")
+    if r["gate_types"] != r["gate_types_reference"]:
+        found.append(f"router/gate modules changed type: {r['gate_types']}")
+    grad = r.get("grad_check")
+    if grad is not None:
+        if not grad.get("applicable"):
+            found.append("no coalesced reduction attached to the MoE blocks (is the config knob off?)")
+        elif not (grad["forward_is_sum"] and grad["no_grad_is_sum"]):
+            found.append("the inserted reduction is not a sum over the TP group")
+        elif not grad["grad_identity"]:
+            found.append("the inserted reduction's backward does not pass the gradient through unchanged")
+    return found
+
+
+# --------------------------------------------------------------------- the ab phase (bench and demo)
+
+
+def ab_problems(family: str, e: dict, tolerance: float | None = TOLERANCE) -> list[str]:
+    """Problems of one family's summarised ab entry (codegen.results.summarise_ab): (b) is codegen."""
+    found = []
+    b = e["codegen"]
+    if not e["moe_layers"]:
+        found.append(f"{family}: no MoE layers found")
+    if not once_per_layer(b["allreduce_prefill_per_moe_layer"]):
+        found.append(f"{family}: codegen all-reduces per MoE layer in prefill {b['allreduce_prefill_per_moe_layer']}, "
+                     "expected 1")
+    lo = b.get("allreduce_decode_per_moe_layer_min", b["allreduce_decode_per_moe_layer_mean"])
+    if e["moe_layers"] and not (lo == b["allreduce_decode_per_moe_layer_max"] == 1):
+        found.append(f"{family}: codegen all-reduces per MoE layer in decode "
+                     f"{_count(lo)}-{_count(b['allreduce_decode_per_moe_layer_max'])}, expected 1")
+    for mode in ("stock", "codegen"):
+        if not e[mode]["counts_same_on_all_ranks"]:
+            found.append(f"{family}: {mode} all-reduce counts differ between ranks")
+    worst = max(b["maxdiff_prefill"], b["maxdiff_decode"])
+    if not within_tolerance(worst, tolerance):
+        found.append(f"{family}: codegen logits differ from the single-process model by {worst:.2e} > {tolerance:g}")
+    return found
+
+
+def _count(x: float) -> str:
+    return f"{x:g}"
