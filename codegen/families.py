@@ -322,8 +322,8 @@ FAMILIES: dict[str, Family] = {
         experts_attr="experts",
         # every generation ships fused experts (4.x too): the per-expert names are never looked up
         per_expert=PerExpertMLP(),
-        fused=FusedExperts(kind=FUSED_GATE_UP_INTERLEAVED_COLS, gate_up_bias="gate_up_proj_bias",
-                           down_bias="down_proj_bias"),
+        fused=FusedExperts(kind=FUSED_GATE_UP_INTERLEAVED_COLS, size_attr="intermediate_size",
+                           gate_up_bias="gate_up_proj_bias", down_bias="down_proj_bias"),
         shared_experts=(),
         routers=("router",),
         anchor=ANCHOR_ROUTED_FINAL,

@@ -79,6 +79,14 @@ class FakeDist:
     def inference_all_reduce(self, tensor, group=None):
         self.calls.append(("inference_all_reduce", group, {}))
 
+    #: what the other ranks contribute to an all_gather: rank -> tensor (default: the same as this rank's)
+    peers: typing.ClassVar[dict] = {}
+
+    def all_gather(self, tensors, tensor, group=None):
+        self.calls.append(("all_gather", group, {}))
+        for index, out in enumerate(tensors):
+            out.copy_(tensor if index == self.get_rank(group) else self.peers.get(index, tensor))
+
 
 # ----------------------------------------------------------------------------------- fake DeepSpeed AutoTP
 
@@ -141,7 +149,7 @@ def fake_deepspeed(dist, rows=("w2", "o")):
     ds.__version__ = "0.0-fake"
     ds.init_inference, ds.init_distributed = init_inference, lambda: None
     ds.comm = types.SimpleNamespace(all_reduce=dist.all_reduce, inference_all_reduce=dist.inference_all_reduce,
-                                    comm=types.SimpleNamespace(cdb=backend))
+                                    all_gather=dist.all_gather, comm=types.SimpleNamespace(cdb=backend))
     ds.module_inject = types.SimpleNamespace(layers=types.SimpleNamespace(LinearLayer=FakeColumn, LinearAllreduce=FakeRow))
     ds.inference = types.SimpleNamespace(config=types.SimpleNamespace(DeepSpeedTPConfig=TPConfig))
     return ds
@@ -157,7 +165,7 @@ def with_fake_deepspeed(monkeypatch):
         ds.__name__ = "deepspeed"
         comm = types.ModuleType("deepspeed.comm")
         for name in ("is_initialized", "get_world_size", "get_rank", "new_group", "all_reduce",
-                     "inference_all_reduce"):
+                     "inference_all_reduce", "all_gather"):
             setattr(comm, name, getattr(dist, name))
         comm.comm = ds.comm.comm
         ds.comm = comm
@@ -328,6 +336,260 @@ def test_an_unknown_fused_kind_is_refused():
 
 def test_every_family_fused_kind_has_a_sharder():
     assert {f.fused.kind for f in FAMILIES.values()} <= set(rt.FUSED_SHARDERS)
+
+
+# ------------------------------------------------------------------- interleaved columns, expert biases
+
+
+#: a made-up transposed, interleaved, biased fused layout: none of these names is a real family's
+INTERLEAVED = {"kind": "gate_up_interleaved_cols", "gate_up": "w_in", "down": "w_out", "size_attr": "units",
+               "gate_up_bias": "b_in", "down_bias": "b_out"}
+
+
+class InterleavedBank(nn.Module):
+    """gate_up [E, H, 2I] (gate = ::2, up = 1::2), down [E, I, H], biases; a clamped SwiGLU like gpt-oss's."""
+
+    limit, alpha = 1.5, 1.7
+
+    def __init__(self, scale=1.0):
+        super().__init__()
+        self.w_in = nn.Parameter(torch.randn(E, H, 2 * I) * scale)
+        self.b_in = nn.Parameter(torch.randn(E, 2 * I) * scale)
+        self.w_out = nn.Parameter(torch.randn(E, I, H))
+        self.b_out = nn.Parameter(torch.randn(E, H))
+        self.units = I
+
+    def forward(self, x, weights):
+        out = torch.zeros_like(x)
+        for e in range(E):
+            gate_up = x @ self.w_in[e] + self.b_in[e]
+            gate, up = gate_up[..., ::2].clamp(max=self.limit), gate_up[..., 1::2].clamp(-self.limit, self.limit)
+            out = out + weights[:, e:e + 1] * (((up + 1) * gate * torch.sigmoid(gate * self.alpha)) @ self.w_out[e]
+                                               + self.b_out[e])
+        return out
+
+
+def _shard_copies(full, world, names):
+    banks = []
+    for rank in range(world):
+        bank = copy.deepcopy(full)
+        rt.shard_fused_experts(bank, "moe.bank", rank, world, names)
+        banks.append(bank)
+    return banks
+
+
+def test_interleaved_shards_keep_each_gate_up_pair_on_one_rank():
+    full = InterleavedBank()
+    banks = _shard_copies(full, 2, INTERLEAVED)
+    for rank, bank in enumerate(banks):
+        lo, hi = rank * I // 2, (rank + 1) * I // 2
+        assert bank.units == I // 2 and getattr(bank, rt.SHARDED_FLAG) is True
+        # this rank's gates and ups are units [lo, hi) of the full ones, still interleaved
+        assert torch.equal(bank.w_in[..., ::2], full.w_in[..., ::2][..., lo:hi])
+        assert torch.equal(bank.w_in[..., 1::2], full.w_in[..., 1::2][..., lo:hi])
+        assert torch.equal(bank.b_in[..., ::2], full.b_in[..., ::2][..., lo:hi])
+        assert torch.equal(bank.w_out, full.w_out[:, lo:hi])
+    assert torch.equal(torch.cat([b.w_in for b in banks], dim=2), full.w_in)
+    assert torch.equal(torch.cat([b.b_in for b in banks], dim=1), full.b_in)
+    assert torch.equal(torch.cat([b.w_out for b in banks], dim=1), full.w_out)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_interleaved_shards_sum_to_the_full_experts_through_the_clamped_activation(world):
+    torch.manual_seed(3)
+    full = InterleavedBank(scale=3.0)
+    x, weights = torch.randn(7, H), torch.softmax(torch.randn(7, E), dim=-1)
+    gate_up = torch.einsum("th,ehi->eti", x, full.w_in) + full.b_in[:, None]
+    assert (gate_up.abs() > InterleavedBank.limit).any()  # the clamps do act on these inputs
+    with torch.no_grad():
+        expected = full(x, weights)
+        parts = [bank(x, weights) for bank in _shard_copies(full, world, INTERLEAVED)]
+    torch.testing.assert_close(sum(parts), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_down_bias_is_counted_once_over_the_ranks():
+    full = InterleavedBank()
+    with torch.no_grad():
+        full.w_out.zero_()  # the experts' output is then their down bias alone
+    banks = _shard_copies(full, 2, INTERLEAVED)
+    assert torch.equal(banks[0].b_out, full.b_out) and torch.equal(banks[1].b_out, torch.zeros(E, H))
+    x, weights = torch.randn(5, H), torch.softmax(torch.randn(5, E), dim=-1)
+    with torch.no_grad():
+        torch.testing.assert_close(banks[0](x, weights) + banks[1](x, weights), full(x, weights))
+
+
+def test_gate_up_rows_with_biases_split_them_with_the_rows():
+    names = {**TOY["fused"], "gate_up_bias": "b13", "down_bias": "b2"}
+    full = FusedBank(TOY["fused"])
+    full.b13, full.b2 = nn.Parameter(torch.randn(E, 2 * I)), nn.Parameter(torch.randn(E, H))
+    banks = _shard_copies(full, 2, names)
+    gates = torch.cat([b.b13[:, :I // 2] for b in banks], dim=1)
+    ups = torch.cat([b.b13[:, I // 2:] for b in banks], dim=1)
+    assert torch.equal(torch.cat([gates, ups], dim=1), full.b13)
+    assert torch.equal(banks[0].b2, full.b2) and not banks[1].b2.any()
+
+
+def test_interleaved_layout_of_the_table_on_the_real_transformers_experts():
+    """The table's interleaved family, its transformers MoE block: 2 ranks' partial outputs sum to the full one."""
+    import importlib
+
+    import transformers
+
+    family = next(f for f in FAMILIES.values() if f.fused.kind == "gate_up_interleaved_cols")
+    layout = family.policy_layout()
+    module = importlib.import_module(family.builtin_module)
+    config = getattr(transformers, family.config_class)(hidden_size=H, intermediate_size=I, num_local_experts=E,
+                                                        num_experts_per_tok=2, num_attention_heads=2)
+    torch.manual_seed(5)
+    block = getattr(module, layout["moe_classes"][0])(config).eval()
+    with torch.no_grad():
+        for param in block.parameters():
+            param.normal_(0, 2.0)  # large enough that the activation's clamps act
+    x = torch.randn(1, 6, H)
+    with torch.no_grad():
+        expected = block(x)[0]
+        parts = []
+        for rank in range(2):
+            copy_ = copy.deepcopy(block)
+            experts = getattr(copy_, layout["experts"])
+            rt.shard_fused_experts(experts, "mlp.experts", rank, 2, layout["fused"])
+            assert getattr(experts, layout["fused"]["size_attr"]) == I // 2
+            parts.append(copy_(x)[0])
+    torch.testing.assert_close(parts[0] + parts[1], expected, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------ per-head attention params
+
+
+def _deepspeed_rows(total, world, kv_heads):
+    """Rows per rank DeepSpeed AutoTP gives a q/k/v projection of `total` rows (inference tp_grain_size 64)."""
+    from deepspeed.module_inject import tp_shard
+
+    name = "model.layers.0.self_attn.q_proj"
+    if hasattr(tp_shard, "AutoTPMeta"):
+        return tp_shard.get_shard_size_list(total, world, tp_shard.AutoTPMeta(num_kv_heads=kv_heads, tp_grain_size=64),
+                                            name)
+    tp_shard.set_num_kv_heads(kv_heads)
+    tp_shard.set_tp_grain_size(64)
+    return tp_shard.get_shard_size_list(total, world, name)
+
+
+class RowsColumn(nn.Module):
+    """A column-parallel projection keeping rows [start, start + count) of `linear`, as DeepSpeed's does."""
+
+    def __init__(self, linear, start, count):
+        super().__init__()
+        self.weight = nn.Parameter(linear.weight.data[start:start + count].clone())
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.data[start:start + count].clone())
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+def _split_like_deepspeed(attention, names, kv_heads, world):
+    """Per rank: a copy of `attention` with its q/k/v projections split by DeepSpeed's own row counts."""
+    copies = []
+    for rank in range(world):
+        part = copy.deepcopy(attention)
+        for attr in names:
+            linear = getattr(part, attr)
+            rows = _deepspeed_rows(linear.out_features, world, kv_heads)
+            setattr(part, attr, RowsColumn(linear, sum(rows[:rank]), rows[rank]))
+        copies.append(part)
+    return copies
+
+
+def _shard_heads_on_every_rank(models, layout, world):
+    """Run shard_head_params on each simulated rank, the other ranks' head counts served by the fake gather."""
+    owners = [rt.head_param_owners(m, layout) for m in models["full"]]
+    for rank, (model, own) in enumerate(zip(models["parts"], owners)):
+        for owner in own:  # the owners were recorded on the unsplit copy: point them at this rank's modules
+            owner["module"] = model.get_submodule(owner["where"])
+            owner["params"] = {a: getattr(owner["module"], a) for a in owner["params"]}
+    counts = [torch.tensor([rt.local_head_count(o, RowsColumn) for o in own]) for own in owners]
+    for rank, own in enumerate(owners):
+        dist = FakeDist(world, rank)
+        dist.peers = dict(enumerate(counts))
+        rt.shard_head_params(own, dist, FakeGroup(range(world)), rank, world, RowsColumn)
+    return counts
+
+
+def test_head_params_follow_deepspeeds_uneven_split_of_the_heads():
+    """6 heads in 3 kv groups over 2 ranks: DeepSpeed gives rank 0 two groups (4 heads), rank 1 one (2 heads)."""
+    heads, kv, dim = 6, 3, 4
+    layout = {"attention_head_params": ["sink_a", "sink_b"]}
+    attention = nn.Module()
+    attention.q = nn.Linear(8, heads * dim)
+    attention.k = nn.Linear(8, kv * dim)
+    attention.sink_a = nn.Parameter(torch.arange(heads, dtype=torch.float32))
+    attention.sink_b = nn.Parameter(torch.arange(heads, dtype=torch.float32) * 10)
+    model = nn.Sequential(attention)
+    parts = [nn.Sequential(p) for p in _split_like_deepspeed(attention, ("q", "k"), kv, 2)]
+    counts = _shard_heads_on_every_rank({"full": [model, model], "parts": parts}, layout, 2)
+    assert [c.tolist() for c in counts] == [[4], [2]]
+    assert parts[0][0].sink_a.tolist() == [0, 1, 2, 3] and parts[1][0].sink_a.tolist() == [4, 5]
+    assert parts[1][0].sink_b.tolist() == [40, 50]
+
+
+def test_head_params_whose_projections_disagree_are_one_line():
+    owner = {"where": "layers.0.attn", "module": nn.Module(), "params": {"sinks": None}, "heads": 4,
+             "rows": {"q": 64, "k": 32}}
+    owner["module"].q = RowsColumn(nn.Linear(2, 64), 0, 32)  # 2 of 4 heads
+    owner["module"].k = RowsColumn(nn.Linear(2, 32), 0, 24)  # 3 of 4 heads
+    with pytest.raises(rt.PolicyError) as info:
+        rt.local_head_count(owner, RowsColumn)
+    assert _one_line(info).startswith("layers.0.attn: DeepSpeed's split of its projections is not a whole number")
+    owner["module"] = nn.Module()  # no column-parallel projection at all
+    with pytest.raises(rt.PolicyError) as info:
+        rt.local_head_count(owner, RowsColumn)
+    assert _one_line(info) == ("layers.0.attn: DeepSpeed split none of its projections by heads: "
+                               "cannot shard sinks with the heads")
+    with pytest.raises(rt.PolicyError) as info:
+        rt.head_ranges([[2], [1]], 0, [owner])
+    assert _one_line(info) == "layers.0.attn: the ranks hold [2, 1] of its 4 heads: cannot shard sinks with the heads"
+
+
+def test_head_params_on_the_real_transformers_attention_match_the_unsplit_attention():
+    """The table's head-param family, its transformers attention: 2 ranks' o-projection partial sums add up."""
+    import importlib
+
+    import transformers
+
+    family = next(f for f in FAMILIES.values() if f.attention_head_params)
+    module = importlib.import_module(family.builtin_module)
+    config = getattr(transformers, family.config_class)(hidden_size=16, num_attention_heads=6, num_key_value_heads=3,
+                                                        head_dim=4, intermediate_size=8, num_local_experts=2,
+                                                        num_experts_per_tok=1)
+    config._attn_implementation = "eager"
+    attn_class = next(c for n, c in vars(module).items() if n.endswith("Attention") and isinstance(c, type))
+    rotary_class = next(c for n, c in vars(module).items() if n.endswith("RotaryEmbedding"))
+    torch.manual_seed(7)
+    attention = attn_class(config, layer_idx=0).eval()
+    with torch.no_grad():
+        for param in attention.parameters():
+            param.normal_(0, 0.5)
+    x = torch.randn(2, 5, 16)
+    cos_sin = rotary_class(config=config)(x, torch.arange(5)[None].expand(2, -1))
+    projections = [n for n, c in attention.named_children() if isinstance(c, nn.Linear)]
+    out_proj = next(n for n in projections if getattr(attention, n).out_features == 16)
+    columns = [n for n in projections if n != out_proj]
+    parts = _split_like_deepspeed(attention, columns, 3, 2)
+    _shard_heads_on_every_rank({"full": [attention, attention], "parts": parts}, family.policy_layout(), 2)
+    with torch.no_grad():
+        expected = attention(hidden_states=x, position_embeddings=cos_sin, attention_mask=None)[0]
+        total = 0
+        for rank, part in enumerate(parts):
+            full_o = getattr(attention, out_proj)
+            start = sum(getattr(p, columns[0]).weight.shape[0] for p in parts[:rank])
+            width = getattr(part, columns[0]).weight.shape[0]
+            row = nn.Linear(width, 16, bias=rank == 0)  # row-parallel o projection, its bias added once
+            row.weight.data = full_o.weight.data[:, start:start + width].clone()
+            if rank == 0:
+                row.bias.data = full_o.bias.data.clone()
+            setattr(part, out_proj, row)
+            total = total + part(hidden_states=x, position_embeddings=cos_sin, attention_mask=None)[0]
+    assert [p.sinks.shape[0] for p in parts] == [4, 2]
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_an_expert_deepspeed_left_unsharded_is_one_line_naming_it(with_fake_deepspeed):

@@ -39,7 +39,7 @@ forward does not reduce. On CPU, each rank removes its own DeepSpeed shared-memo
 LAYOUT = {'family': 'qwen2_moe', 'moe_classes': ['Qwen2MoeSparseMoeBlock'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': ''}, 'shared': ['shared_expert'], 'routers': ['gate', 'shared_expert_gate'], 'attention_replicated': [], 'attention_head_params': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'shared_expert_intermediate_size', 'intermediate_size']}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_qwen2_moe'
-RUNTIME_SHA256 = 'a2e3bc758bb9a78052ac3a5bda837922b89392f5147f249b199219cfefea74c8'
+RUNTIME_SHA256 = '6a4ac657f91f29a8dd19ec46e32cf4d3d55b430406af743e0b8c8a1a95440881'
 
 # ---- codegen/policy_runtime.py, verbatim ----
 """The AutoTP policy runtime: shard a codegen-patched MoE model with DeepSpeed and reduce once per MoE layer.
@@ -53,8 +53,10 @@ knowledge: every attribute, class and config name comes from the layout.
 
 The policy enforces what the layout says rather than relying on DeepSpeed's name rules: routers and
 replicated projections are detached while DeepSpeed shards and re-attached after; experts the layout calls
-sharded must come out sharded; and every private DeepSpeed name it touches is probed first, so an
-unsupported DeepSpeed gets one `PolicyError` line naming what is missing instead of a silent fallback.
+sharded must come out sharded (fused layouts, their biases included, are split here); per-head attention
+Parameters are cut to the heads DeepSpeed left on the rank; and every private DeepSpeed name it touches is
+probed first, so an unsupported DeepSpeed gets one `PolicyError` line naming what is missing instead of a
+silent fallback.
 """
 
 import atexit
@@ -147,6 +149,7 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
     deepspeed_kwargs.setdefault("replace_with_kernel_inject", False)
     deepspeed_kwargs["dtype"] = dtype if dtype is not None else next(model.parameters()).dtype
 
+    owners = head_param_owners(model, layout)
     kept = detach_replicated(model, blocks, layout)
     try:
         engine = deepspeed.init_inference(model, tensor_parallel=tensor_parallel, **deepspeed_kwargs)
@@ -156,10 +159,12 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
         raise PolicyError("deepspeed.init_inference did not take its tensor-parallel group from `mpu`: "
                           f"unsupported DeepSpeed, use {SUPPORTED_DEEPSPEED}")
     keep_reductions_in_group(_lookup(deepspeed, "comm.comm.cdb"), dist, several_groups)
+    column = _lookup(deepspeed, "module_inject.layers.LinearLayer")
+    row = _lookup(deepspeed, "module_inject.layers.LinearAllreduce")
+    rank = dist.get_rank(group=group)
+    if world > 1:  # knob on or off: attention would mix this rank's heads with every head's parameters
+        shard_head_params(owners, dist, group, rank, world, column)
     if coalesce and world > 1:
-        column = _lookup(deepspeed, "module_inject.layers.LinearLayer")
-        row = _lookup(deepspeed, "module_inject.layers.LinearAllreduce")
-        rank = dist.get_rank(group=group)
         reducer = CoalescedAllReduce(dist, group, world)
         for name, block in blocks:
             shard_experts(block, name, rank, world, layout, column, row)
@@ -344,25 +349,81 @@ def shard_gate_up_rows(experts, where, rank, world, names):
     gate_up keeps its gate|up packing per rank; down splits its input dimension. The Parameters stay the
     same registered objects; the full tensors are freed.
     """
-    gate_up = getattr(experts, names["gate_up"], None)
-    down = getattr(experts, names["down"], None)
-    for attr, param in ((names["gate_up"], gate_up), (names["down"], down)):
-        if not isinstance(param, torch.nn.Parameter) or param.dim() != 3:
-            raise PolicyError(f"{where} has no 3-D Parameter {attr!r} to shard: "
-                              "its experts are not the fused layout the family table names")
+    params = _fused_params(experts, where, names)
+    gate_up, down, gate_up_bias = params["gate_up"], params["down"], params["gate_up_bias"]
     inter = down.shape[-1]
-    if gate_up.shape[1] != 2 * inter or inter % world:
+    bias_fits = gate_up_bias is None or gate_up_bias.shape[1] == 2 * inter
+    if gate_up.shape[1] != 2 * inter or inter % world or not bias_fits:
         raise PolicyError(f"{where} has {names['gate_up']} {tuple(gate_up.shape)} and {names['down']} "
                           f"{tuple(down.shape)}: cannot split the expert size {inter} over {world} ranks")
     shard = inter // world
     lo, hi = rank * shard, (rank + 1) * shard
     gate_up.data = torch.cat([gate_up.data[:, lo:hi], gate_up.data[:, inter + lo : inter + hi]], dim=1).contiguous()
+    if gate_up_bias is not None:  # split with its rows
+        gate_up_bias.data = torch.cat([gate_up_bias.data[:, lo:hi], gate_up_bias.data[:, inter + lo : inter + hi]],
+                                      dim=1).contiguous()
     down.data = down.data[:, :, lo:hi].contiguous()
+    keep_down_bias_once(params["down_bias"], rank)
+    return shard
+
+
+def _fused_params(experts, where, names):
+    """The layout's 3-D gate_up and down Parameters, and its bias Parameters (None where the layout names none)."""
+    found = {}
+    for role, dims in (("gate_up", 3), ("down", 3), ("gate_up_bias", 2), ("down_bias", 2)):
+        attr = names.get(role, "")
+        if not attr:
+            found[role] = None
+            continue
+        param = getattr(experts, attr, None)
+        if not isinstance(param, torch.nn.Parameter) or param.dim() != dims:
+            raise PolicyError(f"{where} has no {dims}-D Parameter {attr!r} to shard: "
+                              "its experts are not the fused layout the family table names")
+        found[role] = param
+    return found
+
+
+def keep_down_bias_once(down_bias, rank):
+    """The down bias is added inside every expert, before the routing weight and the one reduction.
+
+    Summing the ranks' partial outputs would add it once per rank, so only rank 0 keeps it and the others
+    hold zeros of the same shape. That is exact: each rank computes (partial_r + b_r) * w, the reduction adds
+    b * w once, and the zeros contribute exactly 0.0 (dividing b by the world size would round for world 3).
+    The zeros stay full size: the experts index the bias by expert id, and a whole bias is E * H values.
+    """
+    if down_bias is not None and rank != 0:
+        down_bias.data = torch.zeros_like(down_bias.data)
+
+
+@torch.no_grad()
+def shard_gate_up_interleaved_cols(experts, where, rank, world, names):
+    """gate_up [E, H, 2I] with gate/up interleaved along the last dim (gate = ::2, up = 1::2), down [E, I, H].
+
+    Column pair j (gate j at 2j, up j at 2j + 1) is one intermediate unit: a rank keeps whole pairs, the
+    contiguous columns [2 lo, 2 hi), so `[..., ::2]` / `[..., 1::2]` still pair each gate with its own up.
+    The activation (a clamped SwiGLU) is elementwise per pair, so column sharding commutes with it. down
+    keeps rows [lo, hi) of its input dim (1); gate_up_bias [E, 2I] is split with its columns; the down bias
+    counts once over the group (keep_down_bias_once).
+    """
+    params = _fused_params(experts, where, names)
+    gate_up, down = params["gate_up"], params["down"]
+    inter = down.shape[1]
+    if gate_up.shape[2] != 2 * inter or inter % world or (
+            params["gate_up_bias"] is not None and params["gate_up_bias"].shape[1] != 2 * inter):
+        raise PolicyError(f"{where} has {names['gate_up']} {tuple(gate_up.shape)} and {names['down']} "
+                          f"{tuple(down.shape)}: cannot split the expert size {inter} over {world} ranks")
+    shard = inter // world
+    lo, hi = rank * shard, (rank + 1) * shard
+    gate_up.data = gate_up.data[:, :, 2 * lo : 2 * hi].contiguous()
+    if params["gate_up_bias"] is not None:
+        params["gate_up_bias"].data = params["gate_up_bias"].data[:, 2 * lo : 2 * hi].contiguous()
+    down.data = down.data[:, lo:hi, :].contiguous()
+    keep_down_bias_once(params["down_bias"], rank)
     return shard
 
 
 #: fused expert layouts (codegen.families FusedExperts.kind) and the function that shards each
-FUSED_SHARDERS = {"gate_up_rows": shard_gate_up_rows}
+FUSED_SHARDERS = {"gate_up_rows": shard_gate_up_rows, "gate_up_interleaved_cols": shard_gate_up_interleaved_cols}
 
 
 def shard_fused_experts(experts, where, rank, world, fused):
@@ -376,6 +437,89 @@ def shard_fused_experts(experts, where, rank, world, fused):
     if hasattr(experts, fused["size_attr"]):
         setattr(experts, fused["size_attr"], shard)
     setattr(experts, SHARDED_FLAG, True)
+
+
+# ----------------------------------------------------------------------------- attention head parameters
+
+
+def head_param_owners(model, layout):
+    """Modules holding Parameters the layout names as one value per attention head (e.g. attention sinks).
+
+    DeepSpeed splits the q/k/v projections by heads but never touches such a Parameter, so attention would
+    concatenate this rank's heads with every head's values. Recorded before DeepSpeed shards: the head
+    count (the Parameter's first dim) and the full output rows of the owner's nn.Linear children.
+    """
+    wanted = set(layout.get("attention_head_params", ()))
+    owners = []
+    if not wanted:
+        return owners
+    for name, module in model.named_modules():
+        params = {attr: p for attr, p in module._parameters.items() if attr in wanted and p is not None}
+        if not params:
+            continue
+        heads = {p.shape[0] if p.dim() else 0 for p in params.values()}
+        if len(heads) != 1 or 0 in heads:
+            raise PolicyError(f"{name} has per-head Parameters {sorted(params)} of different lengths: "
+                              "cannot shard them with the heads")
+        rows = {attr: c.out_features for attr, c in module._modules.items() if isinstance(c, torch.nn.Linear)}
+        owners.append({"where": name, "module": module, "params": params, "heads": heads.pop(), "rows": rows})
+    return owners
+
+
+def local_head_count(owner, column_class):
+    """How many heads DeepSpeed left on this rank: the share of rows its column-parallel projections kept.
+
+    DeepSpeed splits q, k and v by the same fraction of the heads (whole kv-head groups; see its
+    tp_shard.get_shard_size), so every projection must give the same count, else the split is unknown.
+    """
+    heads, counts = owner["heads"], set()
+    for attr, full in owner["rows"].items():
+        child = owner["module"]._modules.get(attr)
+        if isinstance(child, column_class):
+            local = child.weight.shape[0]
+            counts.add(heads * local // full if (heads * local) % full == 0 else -1)
+    if not counts:
+        raise PolicyError(f"{owner['where']}: DeepSpeed split none of its projections by heads: cannot shard "
+                          f"{', '.join(owner['params'])} with the heads")
+    if len(counts) != 1 or -1 in counts:
+        raise PolicyError(f"{owner['where']}: DeepSpeed's split of its projections is not a whole number of its "
+                          f"{heads} heads ({', '.join(owner['rows'])}): cannot shard "
+                          f"{', '.join(owner['params'])} with the heads")
+    return counts.pop()
+
+
+def head_ranges(counts_by_rank, rank, owners):
+    """(start, count) of this rank's heads per owner: ranks hold consecutive head ranges in rank order."""
+    ranges = []
+    for index, owner in enumerate(owners):
+        counts = [row[index] for row in counts_by_rank]
+        if sum(counts) != owner["heads"]:
+            raise PolicyError(f"{owner['where']}: the ranks hold {counts} of its {owner['heads']} heads: "
+                              f"cannot shard {', '.join(owner['params'])} with the heads")
+        ranges.append((sum(counts[:rank]), counts[rank]))
+    return ranges
+
+
+@torch.no_grad()
+def shard_head_params(owners, dist, group, rank, world, column_class):
+    """Keep this rank's slice of every per-head Parameter, the heads its q projection kept.
+
+    The head counts of all ranks are gathered once (one all_gather at init, none per forward): DeepSpeed's
+    split can be uneven (whole kv-head groups), so a rank's first head depends on the other ranks' counts.
+    """
+    if not owners:
+        return
+    counts = [local_head_count(owner, column_class) for owner in owners]
+    device = next(iter(owners[0]["params"].values())).device
+    mine = torch.tensor(counts, dtype=torch.int64, device=device)
+    gathered = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    for owner, (start, count) in zip(owners, head_ranges([g.tolist() for g in gathered], rank, owners)):
+        for attr, param in owner["params"].items():
+            if param.shape[0] != owner["heads"]:
+                raise PolicyError(f"{owner['where']}.{attr} was already split by DeepSpeed: "
+                                  f"unsupported DeepSpeed, use {SUPPORTED_DEEPSPEED}")
+            param.data = param.data[start : start + count].contiguous()
 
 
 # --------------------------------------------------------------------------------------- replicated layers
@@ -519,7 +663,8 @@ def probe_deepspeed(deepspeed, shm_in_use=False):
     import importlib
 
     missing = []
-    for dotted in ("comm.all_reduce", "comm.inference_all_reduce", "init_inference", "init_distributed"):
+    for dotted in ("comm.all_reduce", "comm.all_gather", "comm.inference_all_reduce", "init_inference",
+                   "init_distributed"):
         if not callable(_lookup(deepspeed, dotted)):
             missing.append(f"deepspeed.{dotted}")
     backend = _lookup(deepspeed, "comm.comm.cdb")
