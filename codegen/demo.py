@@ -121,8 +121,8 @@ def render(record: dict) -> str:
     if any(b["experts"] > 0.99 for b, _ in ran):
         lines.append(
             "note: with this transformers the routed experts are fused 3-D Parameters that stock AutoTP leaves "
-            "replicated (100% per rank), so stock reduces only the shared expert; codegen shards them and still "
-            "reduces once."
+            "replicated (100% per rank), so stock reduces only the shared expert (none where there is none); codegen "
+            "shards them and still reduces once."
         )
     elif any(b["prefill_max"] > 1 for b, _ in ran):
         lines.append(
