@@ -72,6 +72,8 @@ MOE_CLASSES = moe_class_names()
 ROUTERS = {cls: family.routers for family in FAMILIES.values() for cls in family.moe_classes}
 EXPERT_ATTRS = frozenset(family.experts_attr for family in FAMILIES.values())
 FUSED = fused_attr_names()
+#: decoder-layer attributes holding the MLP or MoE block, every family and generation ("mlp" first)
+MLP_ATTRS = tuple(dict.fromkeys(a for family in FAMILIES.values() for a in family.moe_block_attrs))
 #: fused expert biases of the row-parallel (down) projection: whole on every rank by design (the policy keeps
 #: them on one rank, zeros elsewhere, so the reduction adds them once), so neither sharded nor routed-expert bytes
 ROW_PARALLEL_BIASES = frozenset(family.fused.down_bias for family in FAMILIES.values() if family.fused.down_bias)
@@ -211,8 +213,17 @@ def gate_types(model) -> dict:
     return {n: type(module).__name__ for n, (_, module) in router_params(model).items()}
 
 
+def layer_mlp(layer):
+    """The decoder layer's MLP or MoE block, under any name the family table gives it (any generation)."""
+    for attr in MLP_ATTRS:
+        block = getattr(layer, attr, None)
+        if isinstance(block, torch.nn.Module):
+            return block
+    return None
+
+
 def decoder_layers(model) -> list:
-    return [m for m in model.modules() if hasattr(m, "self_attn") and hasattr(m, "mlp")]
+    return [m for m in model.modules() if hasattr(m, "self_attn") and layer_mlp(m) is not None]
 
 
 def per_block_counts(blocks, counter: AllReduceCounter) -> tuple[list[int], list]:
@@ -384,7 +395,7 @@ def measure(phase: str, model, run: Run, opts: dict, ids, ref: Reference) -> dic
     groups = {
         "attention": [layer.self_attn for layer in layers],
         "moe": blocks,
-        "dense_mlp": [layer.mlp for layer in layers if id(layer.mlp) not in block_ids],
+        "dense_mlp": [layer_mlp(layer) for layer in layers if id(layer_mlp(layer)) not in block_ids],
         "lm_head": [m for m in [model.get_output_embeddings()] if m is not None],
     }
     hooks, counts = [], {}
