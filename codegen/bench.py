@@ -41,6 +41,7 @@ from codegen.harness import (
     make_workdir,
     prepare_examples,
 )
+from codegen.results import crashed
 from codegen.results import record as result_record
 from codegen.results import summarise_ab
 
@@ -201,16 +202,46 @@ def _fmt_ratio(r: float | None) -> str:
     return "–" if r is None else f"{r:.2f}×"
 
 
+class _Crash(float):
+    """A stock figure that does not exist because stock AutoTP crashed: printed as `crash`, drawn as nothing."""
+
+    def __new__(cls):
+        return super().__new__(cls, "nan")
+
+    def __getitem__(self, _key):
+        return self
+
+    def __format__(self, _spec: str) -> str:
+        return "crash"
+
+
+#: stands for (a)'s figures in the table and chart where stock crashed
+_CRASHED = _Crash()
+
+
 def _mb(n: float) -> str:
-    return f"{n / 2**20:.1f}"
+    return "crash" if isinstance(n, _Crash) else f"{n / 2**20:.1f}"
 
 
 def _ms(s: dict) -> str:
+    if isinstance(s, _Crash):
+        return "crash"
     return f"{s['median'] * 1e3:.1f} [{s['p25'] * 1e3:.1f}–{s['p75'] * 1e3:.1f}]"
 
 
 def _count(x: float) -> str:
+    if isinstance(x, _Crash):
+        return "crash"
     return f"{x:g}" if float(x).is_integer() else f"{x:.2f}"
+
+
+def _diff(m) -> str:
+    return "crash" if isinstance(m, _Crash) else f"{max(m['maxdiff_prefill'], m['maxdiff_decode']):.1e}"
+
+
+def _figures(e: dict, mode: str):
+    """A mode's figures of an ab entry; _CRASHED (nan wherever indexed) where stock crashed."""
+    return _CRASHED if crashed(e[mode]) else e[mode]
 
 
 def markdown(record_or_merged: dict) -> str:
@@ -227,8 +258,13 @@ def markdown(record_or_merged: dict) -> str:
         "| max abs Δlogits vs (c): a, b |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    crashes = []
     for rec, family, e in _rows(records):
         a, b, r = e["stock"], e["codegen"], e["ratio_b_over_a"]
+        if crashed(a):
+            crashes.append(f"- {family}, transformers {rec['machine']['transformers']}: stock AutoTP crashed "
+                           f"({crashed(a)}); (a) is shown as crash, (b) ran alone")
+            a = _CRASHED
         ab, bb = a["param_bytes_per_rank"], b["param_bytes_per_rank"]
         lines.append(
             f"| {family} ({_label(family)}) | {rec['machine']['transformers']} "
@@ -241,8 +277,10 @@ def markdown(record_or_merged: dict) -> str:
             f"| {_ms(a['prefill'])} → {_ms(b['prefill'])} ({_fmt_ratio(r['prefill_median'])}) "
             f"| {_mb(ab['experts'])} → {_mb(bb['experts'])} ({_fmt_ratio(r['expert_bytes'])}) "
             f"| {_mb(ab['rest'])} → {_mb(bb['rest'])} ({_fmt_ratio(r['rest_bytes'])}) "
-            f"| {max(a['maxdiff_prefill'], a['maxdiff_decode']):.1e}, {max(b['maxdiff_prefill'], b['maxdiff_decode']):.1e} |"
+            f"| {_diff(a)}, {_diff(b)} |"
         )
+    if crashes:
+        lines += ["", "Stock AutoTP crashed (no (a) figures; ratios –):", ""] + crashes
     lines += [
         "",
         "`python -m codegen patch DIR`: wall time of a cold process, median of n trials; start-up = "
@@ -300,7 +338,7 @@ def chart(record_or_merged: dict, path: Path) -> None:
         ("stock", "decode", "allreduce_decode_per_moe_layer_mean", "//"),
         ("codegen", "decode", "allreduce_decode_per_moe_layer_mean", "//"),
     ]):
-        values = [e[mode][key] for _, _, e in rows]
+        values = [_figures(e, mode)[key] for _, _, e in rows]
         bars = ax.bar([i + (j - 1.5) * w for i in x], values, w, color=colours[mode], hatch=hatch,
                       edgecolor="white", label=f"{names[mode]}, {phase}")
         ax.bar_label(bars, labels=[_count(v) for v in values], fontsize=7)
@@ -311,9 +349,9 @@ def chart(record_or_merged: dict, path: Path) -> None:
 
     for ax, phase, title in ((axes[1], "decode", "decode step latency (ms)"), (axes[2], "prefill", "prefill latency (ms)")):
         for j, mode in enumerate(("stock", "codegen")):
-            med = [e[mode][phase]["median"] * 1e3 for _, _, e in rows]
-            lo = [m - e[mode][phase]["p25"] * 1e3 for m, (_, _, e) in zip(med, rows)]
-            hi = [e[mode][phase]["p75"] * 1e3 - m for m, (_, _, e) in zip(med, rows)]
+            med = [_figures(e, mode)[phase]["median"] * 1e3 for _, _, e in rows]
+            lo = [m - _figures(e, mode)[phase]["p25"] * 1e3 for m, (_, _, e) in zip(med, rows)]
+            hi = [_figures(e, mode)[phase]["p75"] * 1e3 - m for m, (_, _, e) in zip(med, rows)]
             ax.bar([i + (j - 0.5) * 2 * w for i in x], med, 2 * w, yerr=[lo, hi], capsize=3, color=colours[mode],
                    label=names[mode])
         ax.set_title(title + ", median, p25–p75", fontsize=10)
@@ -321,8 +359,8 @@ def chart(record_or_merged: dict, path: Path) -> None:
     ax = axes[3]
     for j, mode in enumerate(("stock", "codegen")):
         for k, (part, hatch) in enumerate((("experts", ""), ("rest", "//"))):
-            values = [e[mode]["param_bytes_per_rank"][part] / 2**20 for _, _, e in rows]
-            bottom = None if k == 0 else [e[mode]["param_bytes_per_rank"]["experts"] / 2**20 for _, _, e in rows]
+            values = [_figures(e, mode)["param_bytes_per_rank"][part] / 2**20 for _, _, e in rows]
+            bottom = None if k == 0 else [_figures(e, mode)["param_bytes_per_rank"]["experts"] / 2**20 for _, _, e in rows]
             ax.bar([i + (j - 0.5) * 2 * w for i in x], values, 2 * w, bottom=bottom, color=colours[mode], hatch=hatch,
                    edgecolor="white", label=f"{names[mode]}, {part}")
     ax.set_title("parameter MiB per rank (experts / rest)", fontsize=10)

@@ -21,6 +21,7 @@ from codegen.checks import TOLERANCE, ab_problems
 from codegen.errors import VerifyFailed
 from codegen.families import FAMILIES
 from codegen.harness import Progress, check_runtime_installed, make_workdir
+from codegen.results import crashed
 from codegen.results import record as result_record
 
 WORLD = 2
@@ -68,8 +69,14 @@ def _n(lo: float, hi: float) -> str:
     return f"{lo:g}" if lo == hi else f"{lo:g}-{hi:g}"
 
 
+#: the before cells of a family where stock AutoTP crashed
+CRASH = "crash"
+
+
 def _row(e: dict, mode: str) -> dict:
     m = e[mode]
+    if crashed(m):
+        return {"prefill": CRASH, "prefill_max": 0, "decode": CRASH, "experts": None, "diff": None}
     prefill = m["allreduce_prefill_per_moe_layer"]
     return {
         "prefill": _n(min(prefill, default=0), max(prefill, default=0)),
@@ -97,20 +104,27 @@ def render(record: dict) -> str:
     ]
     rows = {family: (_row(e, "stock"), _row(e, "codegen")) for family, e in record["families"].items()}
     for family, (b, a) in rows.items():
+        b_experts = CRASH if b["experts"] is None else f"{b['experts']:.0%}"
+        b_diff = CRASH if b["diff"] is None else f"{b['diff']:.1e}"
         lines.append(
             f"{family:<13}  {b['prefill']:>7} {a['prefill']:>7}   {b['decode']:>7} {a['decode']:>7}   "
-            f"{b['experts']:>6.0%} {a['experts']:>6.0%}   {b['diff']:>8.1e} {a['diff']:>8.1e}"
+            f"{b_experts:>6} {a['experts']:>6.0%}   {b_diff:>8} {a['diff']:>8.1e}"
         )
     shapes = ", ".join(f"{family}: {e['num_layers']} layers, {e['moe_layers']} MoE"
                        for family, e in record["families"].items())
     lines.append(f"({shapes}; logits tolerance {record['tolerance']:g})")
-    if any(b["experts"] > 0.99 for b, _ in rows.values()):
+    for family, e in record["families"].items():
+        if crashed(e["stock"]):
+            lines.append(f"note: stock AutoTP crashed on {family} ({crashed(e['stock'])}); its before columns "
+                         "say crash, after is codegen alone")
+    ran = [(b, a) for b, a in rows.values() if b["experts"] is not None]
+    if any(b["experts"] > 0.99 for b, _ in ran):
         lines.append(
             "note: with this transformers the routed experts are fused 3-D Parameters that stock AutoTP leaves "
-            "replicated (100% per rank), so stock reduces only the shared expert; codegen shards them and still "
-            "reduces once."
+            "replicated (100% per rank), so stock reduces only the shared expert (none where there is none); codegen "
+            "shards them and still reduces once."
         )
-    elif any(b["prefill_max"] > 1 for b, _ in rows.values()):
+    elif any(b["prefill_max"] > 1 for b, _ in ran):
         lines.append(
             "note: stock AutoTP reduces inside every routed expert a token reaches, plus the shared expert; "
             "codegen sums them locally and reduces once per MoE layer."

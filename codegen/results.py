@@ -9,6 +9,10 @@ Every runtime command returns (and `--json` writes) one record:
 `entry` holds the figures of that family's model dir: for verify the per-rank figures of each phase
 ({"dir", "no-policy": [...], "codegen": [...], "stock": [...]}), for bench and demo the ab phase
 summarised over ranks (summarise_ab). `problems` comes from codegen.checks; `ok` is `not problems`.
+
+Stock AutoTP is a comparison, never pass/fail: where it crashed, its figures are
+{"mode": "stock", "crashed": "<ExceptionType>: <first line>"} (per rank in verify, once in the ab
+summary) and every b/a ratio is None.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from pathlib import Path
 from codegen import __version__
 
 SCHEMA = "codegen-result/1"
+#: the b/a ratios of an ab entry (None each where stock crashed or a is 0)
+RATIOS = ("allreduce_prefill", "allreduce_decode_step", "decode_median", "prefill_median", "expert_bytes", "rest_bytes")
 
 
 def record(command: str, kind: str, *, device: str, tp: int, world_size: int, dtype: str, tolerance: float | None,
@@ -121,6 +127,14 @@ def _ratio(b: float, a: float) -> float | None:
     return b / a if a else None
 
 
+def crashed(figures: dict | list) -> str | None:
+    """The crash line of a phase's figures (one dict, or one per rank), None where it ran."""
+    for r in figures if isinstance(figures, list) else [figures]:
+        if isinstance(r, dict) and r.get("crashed"):
+            return r["crashed"]
+    return None
+
+
 def summarise_ab(per_rank: list[dict], shape: dict) -> dict:
     """One family's ab-phase figures of every rank (codegen.tp_worker.measure_ab) as one entry."""
     first = per_rank[0]
@@ -136,6 +150,9 @@ def summarise_ab(per_rank: list[dict], shape: dict) -> dict:
     }
     for mode in ("stock", "codegen"):
         rs = [r[mode] for r in per_rank]
+        if mode == "stock" and crashed(rs):
+            entry[mode] = {"mode": mode, "crashed": crashed(rs)}
+            continue
         m = rs[0]
         counts_agree = all(
             r["prefill_allreduce"] == m["prefill_allreduce"] and r["decode_allreduce"] == m["decode_allreduce"]
@@ -160,6 +177,9 @@ def summarise_ab(per_rank: list[dict], shape: dict) -> dict:
             "maxdiff_decode": max(r["decode_maxdiff"] for r in rs),
         }
     a, b = entry["stock"], entry["codegen"]
+    if crashed(a):
+        entry["ratio_b_over_a"] = dict.fromkeys(RATIOS)
+        return entry
     entry["ratio_b_over_a"] = {
         "allreduce_prefill": _ratio(b["allreduce_prefill"], a["allreduce_prefill"]),
         "allreduce_decode_step": _ratio(b["allreduce_decode_step"]["median"], a["allreduce_decode_step"]["median"]),

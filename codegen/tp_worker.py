@@ -24,6 +24,13 @@ full-size copy of a sharded weight is still alive, router weights and types, and
 inserted reduction's autograd behaviour.
 
 MoE blocks, routers, experts and fused expert tensors are found by the names in codegen.families.
+Stock AutoTP may crash on a family (it does not know every attention's extra parameters): stock is a
+comparison, so a stock phase that raises while loading or on its first forward is recorded as
+{"mode": "stock", "crashed": "<ExceptionType>: <first line>"} and the launch goes on (in ab, with
+codegen alone for that job). The ranks agree on it with one all-reduce of a flag after the guarded
+section, so a rank that catches the error reaches the same next collective as the others. The
+no-policy and codegen phases are never guarded: their errors fail the launch.
+
 Rank 0 prints `@@codegen-progress <message>` lines (codegen.runtime shows them). Writes
 rank<k>.json: {"rank", "world_size", "timings", "jobs": {name: {phase: figures}}}; on failure
 rank<k>.error (one line) and exit 1.
@@ -65,6 +72,11 @@ MOE_CLASSES = moe_class_names()
 ROUTERS = {cls: family.routers for family in FAMILIES.values() for cls in family.moe_classes}
 EXPERT_ATTRS = frozenset(family.experts_attr for family in FAMILIES.values())
 FUSED = fused_attr_names()
+#: decoder-layer attributes holding the MLP or MoE block, every family and generation ("mlp" first)
+MLP_ATTRS = tuple(dict.fromkeys(a for family in FAMILIES.values() for a in family.moe_block_attrs))
+#: fused expert biases of the row-parallel (down) projection: whole on every rank by design (the policy keeps
+#: them on one rank, zeros elsewhere, so the reduction adds them once), so neither sharded nor routed-expert bytes
+ROW_PARALLEL_BIASES = frozenset(family.fused.down_bias for family in FAMILIES.values() if family.fused.down_bias)
 
 
 class AllReduceCounter:
@@ -173,6 +185,9 @@ def router_params(model) -> dict:
 
 
 def _is_expert_param(name: str) -> bool:
+    """A routed expert weight (sharded 1/tp by TP); a row-parallel expert bias counts as the rest (replicated)."""
+    if name.endswith(tuple(f".{e}.{b}" for e in EXPERT_ATTRS for b in ROW_PARALLEL_BIASES)):
+        return False
     return any(f".{e}." in name or name.endswith(tuple(f".{e}.{f}" for f in FUSED)) for e in EXPERT_ATTRS)
 
 
@@ -198,8 +213,17 @@ def gate_types(model) -> dict:
     return {n: type(module).__name__ for n, (_, module) in router_params(model).items()}
 
 
+def layer_mlp(layer):
+    """The decoder layer's MLP or MoE block, under any name the family table gives it (any generation)."""
+    for attr in MLP_ATTRS:
+        block = getattr(layer, attr, None)
+        if isinstance(block, torch.nn.Module):
+            return block
+    return None
+
+
 def decoder_layers(model) -> list:
-    return [m for m in model.modules() if hasattr(m, "self_attn") and hasattr(m, "mlp")]
+    return [m for m in model.modules() if hasattr(m, "self_attn") and layer_mlp(m) is not None]
 
 
 def per_block_counts(blocks, counter: AllReduceCounter) -> tuple[list[int], list]:
@@ -269,6 +293,42 @@ class Run:
         return load(job["model"], True, self.dtype)  # no-policy
 
 
+# ------------------------------------------------------------------------------------ a stock crash, recorded
+
+
+def crash_line(exc: BaseException) -> str:
+    """`<ExceptionType>: <first line of the message>`: what a crashed phase records."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def guarded(run: Run, what: str, section):
+    """(section(), None), or (None, crash line) on every rank when it raised on any rank.
+
+    The ranks agree with one all-reduce of a flag after the section, whether or not they raised: a
+    rank that caught the error reaches the same collective as the others (the crashes seen here happen
+    before any collective of the section, identically on every rank).
+    """
+    result, error = None, None
+    try:
+        result = section()
+    except Exception as exc:  # noqa: BLE001 - stock AutoTP's failure is a finding, not the launch's
+        error = crash_line(exc)
+        del exc
+    flag = torch.tensor([1.0 if error else 0.0], device=run.device)
+    calls, logged = run.counter.calls, len(run.counter.log)
+    torch.distributed.all_reduce(flag)
+    run.counter.calls = calls  # the agreement is not the model's reduction
+    del run.counter.log[logged:]
+    if flag.item() == 0:
+        return result, None
+    result = None
+    gc.collect()
+    error = error or "crashed on another rank"
+    run.say(f"{what}: crashed ({error}); recorded, continuing")
+    return None, error
+
+
 # --------------------------------------------------------------------------------------------- reference
 
 
@@ -314,6 +374,11 @@ class Reference:
         del model, out
         gc.collect()
 
+    def tensors(self) -> list:
+        """Every tensor this reference keeps (the gates' copies, logits, tokens): not a copy a model kept."""
+        kept = (self.logits, self.tokens, *self.gates.values(), *self.forced, *self.step_logits)
+        return [t for t in kept if isinstance(t, torch.Tensor)]
+
 
 def _greedy(model, ids, n: int) -> torch.Tensor:
     return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False).cpu()
@@ -330,7 +395,7 @@ def measure(phase: str, model, run: Run, opts: dict, ids, ref: Reference) -> dic
     groups = {
         "attention": [layer.self_attn for layer in layers],
         "moe": blocks,
-        "dense_mlp": [layer.mlp for layer in layers if id(layer.mlp) not in block_ids],
+        "dense_mlp": [layer_mlp(layer) for layer in layers if id(layer_mlp(layer)) not in block_ids],
         "lm_head": [m for m in [model.get_output_embeddings()] if m is not None],
     }
     hooks, counts = [], {}
@@ -451,7 +516,7 @@ def sharded_tensors(model) -> dict:
         if isinstance(module, TensorParallel_Layer) and isinstance(getattr(module, "weight", None), torch.Tensor):
             found[prefix + "weight"] = module.weight
         if getattr(module, "_codegen_sharded", False):
-            for attr in sorted(FUSED):
+            for attr in sorted(FUSED - ROW_PARALLEL_BIASES):
                 if isinstance(getattr(module, attr, None), torch.Tensor):
                     found[prefix + attr] = getattr(module, attr)
     return found
@@ -478,15 +543,18 @@ def sharding_figures(model, ref: Reference, scan: bool = True) -> dict:
     # any other live tensor with the full shape of a sharded weight (a copy DeepSpeed or the policy kept)
     full_shapes = {ref.shapes[n] for n, t in sharded.items() if n in ref.shapes and tuple(t.shape) != ref.shapes[n]}
     alive = 0 if scan else None
+    alive_shapes: list[list[int]] = []
     if scan and full_shapes:
         gc.collect()
         own = {p.untyped_storage().data_ptr() for p in model.parameters()}
         own |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+        own |= {t.untyped_storage().data_ptr() for t in ref.tensors()}  # the harness's own reference copies
         for obj in gc.get_objects():
             try:
                 if (isinstance(obj, torch.Tensor) and not obj.is_meta and tuple(obj.shape) in full_shapes
                         and obj.untyped_storage().data_ptr() not in own):
                     alive += 1
+                    alive_shapes.append(list(obj.shape))
             except Exception:  # noqa: BLE001 - tensor subclasses without storage
                 continue
     return {
@@ -499,6 +567,7 @@ def sharding_figures(model, ref: Reference, scan: bool = True) -> dict:
         "sharded_unknown": [n for n in sharded if n not in ref.param_bytes],
         "oversized_storage_params": oversized,
         "full_size_copies_alive": alive,
+        "full_size_copies_shapes": alive_shapes,
     }
 
 
@@ -562,7 +631,16 @@ def measure_ab(run: Run, job: dict, opts: dict, ids, ref: Reference) -> dict:
     warmup, steps, repeats = opts["warmup"], opts["decode_steps"], opts["repeats"]
     name = job["name"]
     run.say(f"{name}: loading (a) stock deepspeed.init_inference and (b) codegen policy on {run.tp} ranks")
-    models = {"stock": run.build("stock", job, opts), "codegen": run.build("codegen", job, opts)}
+
+    def stock_loads_and_runs():
+        model = run.build("stock", job, opts)
+        with torch.no_grad():
+            model(ids)  # its first forward: a crash here leaves codegen alone
+        return model
+
+    stock, crashed = guarded(run, f"{name}: (a) stock", stock_loads_and_runs)
+    models = {"stock": stock} if crashed is None else {}
+    models["codegen"] = run.build("codegen", job, opts)
     block_counts, hooks, record = {}, [], {}
     for mode, model in models.items():
         blocks = moe_blocks(model)
@@ -570,8 +648,9 @@ def measure_ab(run: Run, job: dict, opts: dict, ids, ref: Reference) -> dict:
         hooks += handles
         record[mode] = {"bytes": param_bytes(model), "moe_blocks": len(blocks)}
 
-    def order(k: int) -> tuple[str, str]:
-        return ("stock", "codegen") if k % 2 == 0 else ("codegen", "stock")  # ABBA
+    def order(k: int) -> list[str]:
+        pair = ("stock", "codegen") if k % 2 == 0 else ("codegen", "stock")  # ABBA
+        return [mode for mode in pair if mode in models]
 
     def timed(mode, *a, **kw):
         dist.barrier()
@@ -618,6 +697,8 @@ def measure_ab(run: Run, job: dict, opts: dict, ids, ref: Reference) -> dict:
     for h in hooks:
         h.remove()
     models.clear()
+    if crashed is not None:
+        record["stock"] = {"mode": "stock", "crashed": crashed}
     return {**record, "full_bytes": ref.bytes,
             "reference": {"prefill_s": ref.prefill_s, "decode_s": ref.decode_s[warmup:]}}
 
@@ -650,13 +731,23 @@ def run_job(run: Run, job: dict, defaults: dict, timings: dict) -> dict:
                           **measure_ab(run, job, opts, ids, ref)}
         else:
             run.say(f"{name}: {phase}")
-            model = run.build(phase, job, opts)
-            timings[f"{name}/{phase}_load_s"] = time.perf_counter() - t
-            out[phase] = measure(phase, model, run, opts, ids, ref)
-            del model
+            if phase == "stock":  # a comparison: a crash is recorded, the launch goes on
+                figures, crashed = guarded(run, f"{name}: stock",
+                                           lambda: measure_built(phase, job, run, opts, ids, ref, timings))
+                out[phase] = figures if crashed is None else {
+                    "mode": phase, "rank": run.rank, "world_size": run.dist.get_world_size(), "crashed": crashed}
+            else:
+                out[phase] = measure_built(phase, job, run, opts, ids, ref, timings)
         gc.collect()
         timings[f"{name}/{phase}_s"] = time.perf_counter() - t
     return out
+
+
+def measure_built(phase: str, job: dict, run: Run, opts: dict, ids, ref: Reference, timings: dict) -> dict:
+    t = time.perf_counter()
+    model = run.build(phase, job, opts)
+    timings[f"{job['name']}/{phase}_load_s"] = time.perf_counter() - t
+    return measure(phase, model, run, opts, ids, ref)
 
 
 def main() -> None:

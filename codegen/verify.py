@@ -3,8 +3,8 @@
 One launch of N local CPU ranks (codegen.runtime.launch, codegen.tp_worker) measures, against the
 unpatched dir run in one process: the patched dir loaded with no TP policy (must be identical and
 reduce nothing), the patched dir under its generated policy, and stock DeepSpeed AutoTP on the
-unpatched dir (for comparison only). Pass/fail is codegen.checks.phase_problems; the record is
-codegen.results' schema. Exit 0 when every check passes, 6 (VerifyFailed) otherwise.
+unpatched dir (for comparison only: where it crashes, its row says so and the checks go on).
+Pass/fail is codegen.checks.phase_problems; the record is codegen.results' schema. Exit 0 when every check passes, 6 (VerifyFailed) otherwise.
 `verify_dirs` runs several dirs in that one launch.
 """
 
@@ -21,6 +21,7 @@ from codegen import errors
 from codegen.checks import GENERATE, TOLERANCE, breakdown, expected_allreduces, phase_problems
 from codegen.errors import VerifyFailed
 from codegen.families import normalise_model_type
+from codegen.results import crashed
 from codegen.results import record as result_record
 from codegen.runtime import launch, materialize_unpatched
 
@@ -85,6 +86,8 @@ def format_report(model_dir: Path, record: dict) -> str:
         return f"{num / den:.2f}" if den else "-"
 
     def row(label: str, r: dict) -> str:
+        if crashed(r):
+            return f"  {label:<9} {'crash':>10} (stock AutoTP failed: {crashed(r)})"
         b, f = r["bytes"], r["full_bytes"]
         per_block = r["allreduce_per_moe_block"]
         per_moe = f"{sum(per_block) / len(per_block):.1f}" if per_block else "-"
