@@ -318,7 +318,7 @@ def shard_gate_up_rows(experts, where, rank, world, names):
     if gate_up_bias is not None:  # split with its rows
         gate_up_bias.data = torch.cat([gate_up_bias.data[:, lo:hi], gate_up_bias.data[:, inter + lo : inter + hi]],
                                       dim=1).contiguous()
-    down.data = down.data[:, :, lo:hi].contiguous()
+    down.data = down.data[:, :, lo:hi].clone(memory_format=torch.contiguous_format)
     keep_down_bias_once(params["down_bias"], rank)
     return shard
 
@@ -370,10 +370,11 @@ def shard_gate_up_interleaved_cols(experts, where, rank, world, names):
                           f"{tuple(down.shape)}: cannot split the expert size {inter} over {world} ranks")
     shard = inter // world
     lo, hi = rank * shard, (rank + 1) * shard
-    gate_up.data = gate_up.data[:, :, 2 * lo : 2 * hi].contiguous()
+    gate_up.data = gate_up.data[:, :, 2 * lo : 2 * hi].clone(memory_format=torch.contiguous_format)
     if params["gate_up_bias"] is not None:
-        params["gate_up_bias"].data = params["gate_up_bias"].data[:, 2 * lo : 2 * hi].contiguous()
-    down.data = down.data[:, lo:hi, :].contiguous()
+        bias = params["gate_up_bias"]
+        bias.data = bias.data[:, 2 * lo : 2 * hi].clone(memory_format=torch.contiguous_format)
+    down.data = down.data[:, lo:hi, :].clone(memory_format=torch.contiguous_format)
     keep_down_bias_once(params["down_bias"], rank)
     return shard
 
@@ -475,7 +476,7 @@ def shard_head_params(owners, dist, group, rank, world, column_class):
             if param.shape[0] != owner["heads"]:
                 raise PolicyError(f"{owner['where']}.{attr} was already split by DeepSpeed: "
                                   f"unsupported DeepSpeed, use {SUPPORTED_DEEPSPEED}")
-            param.data = param.data[start : start + count].contiguous()
+            param.data = param.data[start : start + count].clone()  # a slice is contiguous: clone frees the full tensor
 
 
 # --------------------------------------------------------------------------------------- replicated layers

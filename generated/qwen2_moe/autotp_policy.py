@@ -39,7 +39,7 @@ forward does not reduce. On CPU, each rank removes its own DeepSpeed shared-memo
 LAYOUT = {'family': 'qwen2_moe', 'moe_classes': ['Qwen2MoeSparseMoeBlock'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': ''}, 'shared': ['shared_expert'], 'routers': ['gate', 'shared_expert_gate'], 'attention_replicated': [], 'attention_head_params': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'shared_expert_intermediate_size', 'intermediate_size']}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_qwen2_moe'
-RUNTIME_SHA256 = '6a4ac657f91f29a8dd19ec46e32cf4d3d55b430406af743e0b8c8a1a95440881'
+RUNTIME_SHA256 = '712e8d753aa8d5c92895ec1c38ac59e9181d856cbba8484dfd7f8d7880e822ff'
 
 # ---- codegen/policy_runtime.py, verbatim ----
 """The AutoTP policy runtime: shard a codegen-patched MoE model with DeepSpeed and reduce once per MoE layer.
@@ -362,7 +362,7 @@ def shard_gate_up_rows(experts, where, rank, world, names):
     if gate_up_bias is not None:  # split with its rows
         gate_up_bias.data = torch.cat([gate_up_bias.data[:, lo:hi], gate_up_bias.data[:, inter + lo : inter + hi]],
                                       dim=1).contiguous()
-    down.data = down.data[:, :, lo:hi].contiguous()
+    down.data = down.data[:, :, lo:hi].clone(memory_format=torch.contiguous_format)
     keep_down_bias_once(params["down_bias"], rank)
     return shard
 
@@ -414,10 +414,11 @@ def shard_gate_up_interleaved_cols(experts, where, rank, world, names):
                           f"{tuple(down.shape)}: cannot split the expert size {inter} over {world} ranks")
     shard = inter // world
     lo, hi = rank * shard, (rank + 1) * shard
-    gate_up.data = gate_up.data[:, :, 2 * lo : 2 * hi].contiguous()
+    gate_up.data = gate_up.data[:, :, 2 * lo : 2 * hi].clone(memory_format=torch.contiguous_format)
     if params["gate_up_bias"] is not None:
-        params["gate_up_bias"].data = params["gate_up_bias"].data[:, 2 * lo : 2 * hi].contiguous()
-    down.data = down.data[:, lo:hi, :].contiguous()
+        bias = params["gate_up_bias"]
+        bias.data = bias.data[:, 2 * lo : 2 * hi].clone(memory_format=torch.contiguous_format)
+    down.data = down.data[:, lo:hi, :].clone(memory_format=torch.contiguous_format)
     keep_down_bias_once(params["down_bias"], rank)
     return shard
 
@@ -519,7 +520,7 @@ def shard_head_params(owners, dist, group, rank, world, column_class):
             if param.shape[0] != owner["heads"]:
                 raise PolicyError(f"{owner['where']}.{attr} was already split by DeepSpeed: "
                                   f"unsupported DeepSpeed, use {SUPPORTED_DEEPSPEED}")
-            param.data = param.data[start : start + count].contiguous()
+            param.data = param.data[start : start + count].clone()  # a slice is contiguous: clone frees the full tensor
 
 
 # --------------------------------------------------------------------------------------- replicated layers
