@@ -20,7 +20,7 @@ FAMILIES = tuple(_TABLE)
 STOCK_AUTOTP_CRASHES = {"gpt_oss": "RuntimeError: Sizes of tensors must match"}
 #: regression tests whose answer depends on the installed transformers: they run in every environment
 #: (the rest of the regression matrix reads pinned wheels only and runs once, in the latest environment)
-PER_ENVIRONMENT_REGRESSION = ("test_patch_writes_what_generated_expects",)
+PER_ENVIRONMENT_REGRESSION = ("test_patch_writes_what_generated_expects", "test_this_environment_resolves_a_pinned_release")
 
 
 def pytest_collection_modifyitems(items) -> None:
