@@ -58,35 +58,70 @@ METHOD = {
     "reference": "(c): the unpatched model, unsharded, float32, run by each rank alone (no collectives)",
 }
 
-#: run sizes: `smoke` is the CI run (counts asserted, timings recorded but meaningless), `full` the recorded one
+#: what each kind of run measures: `smoke` is the CI run (counts asserted, timings recorded but meaningless),
+#: `toy` the default recorded run (scaled-down widths), `full` the published widths (2 layers, small vocab)
 SETTINGS: dict[str, dict] = {
-    "smoke": dict(size="tiny", prompt_len=128, batch=1, decode_steps=4, warmup=1, prefill_repeats=2,
-                  patch_trials=1, timeout=600.0),
-    "full": dict(size="bench", prompt_len=128, batch=1, decode_steps=128, warmup=8, prefill_repeats=16,
-                 patch_trials=3, timeout=1500.0),
-    # the demo: tiny dirs, counts and logits only
-    "demo": dict(size="tiny", prompt_len=32, batch=1, decode_steps=2, warmup=1, prefill_repeats=1,
-                 patch_trials=0, timeout=600.0),
+    "smoke": dict(size="tiny", prompt_len=32, batches=(1,), decode_steps=4, warmup=1, prefill_repeats=2,
+                  patch_trials=1, setups=("stock", "codegen", "native"), timeout=900.0),
+    "toy": dict(size="bench", prompt_len=128, batches=(1, 16), decode_steps=48, warmup=4, prefill_repeats=8,
+                patch_trials=3, setups=("stock", "codegen", "native"), timeout=1800.0),
+    "full": dict(size="full", prompt_len=64, batches=(1, 16), decode_steps=16, warmup=2, prefill_repeats=3,
+                 patch_trials=0, setups=("stock", "codegen", "native"), timeout=3000.0),
+    # the demo: tiny dirs, counts and logits only, (a) vs (b)
+    "demo": dict(size="tiny", prompt_len=32, batches=(1,), decode_steps=2, warmup=1, prefill_repeats=1,
+                 patch_trials=0, setups=("stock", "codegen"), timeout=600.0),
 }
+#: two interleaved groups sharing (b), when the three setups do not fit in memory side by side
+PAIRS = (("stock", "codegen"), ("codegen", "native"))
+
+
+def families_of(kind: str) -> tuple[str, ...]:
+    """The families a kind of run covers: those with an example shape of its size."""
+    from codegen.examples import SHAPES
+
+    return tuple(f for f in FAMILIES if f in SHAPES[SETTINGS[kind]["size"]])
 
 
 def run_ab(kind: str, families: tuple[str, ...], tp: int, device: str, root: Path, progress: Progress,
-           echo_patch: bool = False) -> tuple[dict, list[dict], dict]:
-    """Build, patch and run the ab phase of every family in one launch: (entries, rank records, dirs)."""
+           echo_patch: bool = False, dtype: str = "float32", groups: dict[str, tuple] | None = None
+           ) -> tuple[list[dict], list[dict], dict]:
+    """Build, patch and run the ab phase of every (family, batch) in one launch: (rows, rank records, dirs).
+
+    `groups` gives, per family, the interleaved groups of setups (default: all of the kind's setups
+    in one group); a family run in two groups gets one row, (b)'s figures from the first.
+    """
     from codegen.examples import shape_of
     from codegen.runtime import launch, shm_op_cached
 
     settings = SETTINGS[kind]
-    dirs = prepare_examples(families, settings["size"], root, progress, echo=echo_patch)
-    dtype = "bfloat16" if device == "cuda" else "float32"
+    dirs = prepare_examples(families, settings["size"], root, progress, echo=echo_patch,
+                            dtype=dtype if settings["size"] == "full" else "float32")
     if device == "cpu" and not shm_op_cached():
         progress("first run with this Python, torch and DeepSpeed: DeepSpeed JIT-compiles its CPU shared-memory "
                  "all-reduce (once, kept in codegen's cache dir; 1-3 minutes on 2 cores)")
-    progress(f"starting {tp} {device.upper()} ranks; every timed step runs a and b back to back")
-    ranks = launch(ab_spec(dirs, tp, device, dtype, settings), tp, settings["timeout"], progress, what="benchmark")
-    entries = {f: summarise_ab([r["jobs"][f]["ab"] for r in ranks], shape_of(dirs[f]["unpatched"], f, settings["size"]))
-               for f in families}
-    return entries, ranks, dirs
+    jobs = []
+    for family in families:
+        for batch in settings["batches"]:
+            for g, setups in enumerate((groups or {}).get(family, (settings["setups"],))):
+                jobs.append({"name": f"{family}/b{batch}/g{g}", "family": family, "batch": batch, "setups": setups})
+    progress(f"starting {tp} {device.upper()} ranks; every timed step runs each setup back to back, in rotating order")
+    ranks = launch(ab_spec(dirs, jobs, tp, device, dtype, settings), tp, settings["timeout"], progress,
+                   what="benchmark")
+    rows = []
+    for family in families:
+        shape = shape_of(dirs[family]["unpatched"], family, settings["size"])
+        for batch in settings["batches"]:
+            parts = [summarise_ab([r["jobs"][job["name"]]["ab"] for r in ranks], shape)
+                     for job in jobs if job["family"] == family and job["batch"] == batch]
+            row = {"family": family, "label": _label(family), "size": settings["size"], **parts[0]}
+            for part in parts[1:]:  # a second group: (d) against its own (b)
+                row["native"], row["ratio_b_over_d"] = part["native"], part["ratio_b_over_d"]
+                row["codegen_beside_native"] = part["codegen"]
+            if len(parts) > 1:
+                row["groups"] = [list(job["setups"]) for job in jobs
+                                 if job["family"] == family and job["batch"] == batch]
+            rows.append(row)
+    return rows, ranks, dirs
 
 
 def time_cold_patch(unpatched: Path, scratch: Path, trials: int) -> list[float]:
@@ -121,10 +156,13 @@ def _startup_baseline(trials: int) -> float:
 
 
 def run_bench(kind: str, device: str, tp: int, workdir: Path | None, progress: Progress,
-              families: tuple[str, ...] = tuple(FAMILIES)) -> dict:
+              families: tuple[str, ...] | None = None, dtype: str | None = None) -> dict:
     settings = dict(SETTINGS[kind])
-    dtype = "bfloat16" if device == "cuda" else "float32"
+    dtype = dtype or ("bfloat16" if device == "cuda" else "float32")
+    families = families or families_of(kind)
     started = time.monotonic()
+    memory = memory_plan(kind, families, tp, dtype, progress) if device == "cpu" else {}
+    groups = {f: m["groups"] for f, m in memory.items()}
     if workdir is not None:
         root = make_workdir(workdir, f"codegen-{kind}-")
         cleanup = None
@@ -134,8 +172,11 @@ def run_bench(kind: str, device: str, tp: int, workdir: Path | None, progress: P
     try:
         compiled = device == "cpu" and not _shm_cached()
         load_start = _loadavg()
-        entries, ranks, dirs = run_ab(kind, families, tp, device, root, progress)
+        rows, ranks, dirs = run_ab(kind, families, tp, device, root, progress, dtype=dtype, groups=groups)
         load_end = _loadavg()
+        for row in rows:
+            if row["family"] in memory:
+                row["memory_estimate"] = memory[row["family"]]
         trials = {}
         if settings["patch_trials"]:
             for family in families:
@@ -144,14 +185,16 @@ def run_bench(kind: str, device: str, tp: int, workdir: Path | None, progress: P
                                                  settings["patch_trials"])
         baseline = _startup_baseline(settings["patch_trials"]) if settings["patch_trials"] else None
         tolerance = TOLERANCE if dtype == "float32" else None
-        found = [p for f, e in entries.items() for p in ab_problems(f, e, tolerance)]
+        found = [p for row in rows for p in ab_problems(_row_name(row), row, tolerance)]
         record = result_record(
             "bench", kind, device=device, tp=tp, world_size=tp, dtype=dtype, tolerance=tolerance,
-            settings={k: v for k, v in settings.items() if k != "timeout"}, families=entries, problems=found,
+            settings={k: v for k, v in settings.items() if k != "timeout"}, families={}, problems=found,
             wall_s=time.monotonic() - started, method=METHOD, deepspeed_cpu_op_compiled_during_run=compiled,
             patch_timing={"startup_baseline_s": baseline, "families": trials,
                           "median_s": {f: statistics.median(t) for f, t in trials.items()}},
+            rows=rows,
         )
+        del record["families"]
         record["machine"].update({"loadavg_1min_before_ranks": load_start, "loadavg_1min_after_ranks": load_end},
                                  **({"gpu": ranks[0]["gpu"]} if "gpu" in ranks[0] else {}))
         if workdir is not None:
@@ -160,6 +203,67 @@ def run_bench(kind: str, device: str, tp: int, workdir: Path | None, progress: P
     finally:
         if cleanup is not None:
             cleanup.cleanup()
+
+
+def _row_name(row: dict) -> str:
+    return f"{row['family']} (batch {row['batch']}, {row['dtype']}, {row['size']})"
+
+
+_ESTIMATE = """
+import json, sys, tempfile
+import transformers
+from codegen.examples import SHAPES
+from codegen.families import FAMILIES
+from codegen.memory import parameter_bytes
+size, dtype, families = sys.argv[1], sys.argv[2], sys.argv[3:]
+out = {}
+for family in families:
+    with tempfile.TemporaryDirectory() as tmp:
+        getattr(transformers, FAMILIES[family].config_class)(**SHAPES[size][family]).save_pretrained(tmp)
+        out[family] = {"dtype": parameter_bytes(tmp, dtype), "float32": parameter_bytes(tmp, "float32")}
+print(json.dumps({"transformers": transformers.__version__, "families": out}))
+"""
+
+
+def memory_plan(kind: str, families: tuple[str, ...], tp: int, dtype: str, progress: Progress) -> dict:
+    """Per family: the memory the run needs (before anything is built) and the groups its setups run in.
+
+    All setups side by side if they fit in this machine's available memory, else two interleaved
+    groups sharing codegen ((a, b) then (b, d)); a family even a pair does not fit is refused.
+    """
+    from codegen import memory
+    from codegen.runtime import _last_error_line
+
+    settings = SETTINGS[kind]
+    child = subprocess.run([sys.executable, "-c", _ESTIMATE, settings["size"], dtype, *families],
+                           capture_output=True, text=True, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
+    if child.returncode != 0:
+        raise VerifyFailed(f"estimating the benchmark's memory failed: {_last_error_line(child.stderr)}")
+    estimate = json.loads(child.stdout.strip().splitlines()[-1])
+    replicated = int(estimate["transformers"].split(".")[0]) >= 5  # stock AutoTP leaves fused experts whole
+    available = memory.available_bytes()
+    plans = {}
+    for family in families:
+        parts = estimate["families"][family]
+        everything = memory.plan(parts, tp, list(settings["setups"]), replicated)
+        groups = (tuple(settings["setups"]),)
+        chosen = everything
+        if not memory.fits(everything, available):
+            pairs = [memory.plan(parts, tp, list(pair), replicated) for pair in PAIRS]
+            chosen = max(pairs, key=lambda plan: plan["peak_total"])
+            if not memory.fits(chosen, available):
+                raise BadInput(f"{family} at {settings['size']} widths in {dtype} needs about "
+                               f"{chosen['peak_total'] / 2**30:.1f} GiB with {tp} ranks (setups in pairs); "
+                               f"{available / 2**30:.1f} GiB is available: use --dtype bfloat16, fewer ranks or a "
+                               "bigger machine")
+            groups = PAIRS
+        progress(f"{family}: {settings['size']} widths, {dtype}: parameters {parts['dtype']['total'] / 2**30:.2f} GiB; "
+                 f"needs about {chosen['peak_total'] / 2**30:.1f} GiB at peak on {tp} ranks ("
+                 + ("all setups side by side" if len(groups) == 1 else "(a, b) then (b, d): all three do not fit")
+                 + f"); {available / 2**30:.1f} GiB available")
+        plans[family] = {"parameter_bytes": parts, "plan": chosen, "available_bytes": available,
+                         "groups": [list(g) for g in groups]}
+    return plans
 
 
 def _shm_cached() -> bool:
@@ -176,8 +280,9 @@ def _loadavg() -> float | None:
 
 
 def problems(record: dict) -> list[str]:
-    """What makes a bench run fail (codegen.checks.ab_problems of every family)."""
-    return [p for f, e in record["families"].items() for p in ab_problems(f, e, record.get("tolerance", TOLERANCE))]
+    """What makes a bench run fail (codegen.checks.ab_problems of every row)."""
+    return [p for rec in _records(record) for row in rec["rows"]
+            for p in ab_problems(_row_name(row), row, rec.get("tolerance", TOLERANCE))]
 
 
 # ------------------------------------------------------------------------------------------------- outputs
@@ -194,54 +299,63 @@ def _records(record_or_merged: dict) -> list[dict]:
 
 def _rows(records: list[dict]):
     for rec in records:
-        for family, e in rec["families"].items():
-            yield rec, family, e
+        for row in rec.get("rows", []):
+            yield rec, row
 
 
 def _fmt_ratio(r: float | None) -> str:
     return "–" if r is None else f"{r:.2f}×"
 
 
-class _Crash(float):
-    """A stock figure that does not exist because stock AutoTP crashed: printed as `crash`, drawn as nothing."""
-
-    def __new__(cls):
-        return super().__new__(cls, "nan")
-
-    def __getitem__(self, _key):
-        return self
-
-    def __format__(self, _spec: str) -> str:
-        return "crash"
-
-
-#: stands for (a)'s figures in the table and chart where stock crashed
-_CRASHED = _Crash()
-
-
 def _mb(n: float) -> str:
-    return "crash" if isinstance(n, _Crash) else f"{n / 2**20:.1f}"
-
-
-def _ms(s: dict) -> str:
-    if isinstance(s, _Crash):
-        return "crash"
-    return f"{s['median'] * 1e3:.1f} [{s['p25'] * 1e3:.1f}–{s['p75'] * 1e3:.1f}]"
+    return f"{n / 2**20:.1f}"
 
 
 def _count(x: float) -> str:
-    if isinstance(x, _Crash):
-        return "crash"
     return f"{x:g}" if float(x).is_integer() else f"{x:.2f}"
 
 
-def _diff(m) -> str:
-    return "crash" if isinstance(m, _Crash) else f"{max(m['maxdiff_prefill'], m['maxdiff_decode']):.1e}"
+#: the setups in table order, and their letters
+SETUP_ORDER = (("stock", "a"), ("codegen", "b"), ("native", "d"))
 
 
-def _figures(e: dict, mode: str):
-    """A mode's figures of an ab entry; _CRASHED (nan wherever indexed) where stock crashed."""
-    return _CRASHED if crashed(e[mode]) else e[mode]
+def _present(row: dict, mode: str) -> dict | None:
+    """A setup's figures, None where it was not run or crashed."""
+    figures = row.get(mode)
+    return None if figures is None or crashed(figures) else figures
+
+
+def _cells(row: dict, fmt) -> str:
+    """`a / b / d` for one figure: `crash` where a setup crashed, `–` where it was not run."""
+    out = []
+    for mode, _ in SETUP_ORDER:
+        figures = row.get(mode)
+        out.append("–" if figures is None else "crash" if crashed(figures) else fmt(figures))
+    return " / ".join(out)
+
+
+def _per_layer(f: dict) -> str:
+    gathers = f.get("gathers_decode_per_moe_layer_mean", 0)
+    text = _count(f["allreduce_decode_per_moe_layer_mean"])
+    return text + (f"+{_count(gathers)}g" if gathers else "")
+
+
+def _per_step(f: dict) -> str:
+    gathers = f.get("gathers_decode_step", {}).get("median", 0) or 0
+    return _count(f["allreduce_decode_step"]["median"]) + (f"+{_count(gathers)}g" if gathers else "")
+
+
+def _numerics(f: dict, dtype: str) -> str:
+    if dtype == "float32":
+        return f"{max(f['maxdiff_prefill'], f['maxdiff_decode']):.0e}"
+    agreement = f.get("token_agreement")
+    return (f"{max(f['relative_prefill'], f['relative_decode']):.0e}"
+            + (f", {agreement:.0%}" if agreement is not None else ""))
+
+
+def _ratio_cell(row: dict, key: str) -> str:
+    r = row.get(key) or {}
+    return f"{_fmt_ratio(r.get('decode_median'))}, {_fmt_ratio(r.get('prefill_median'))}"
 
 
 def markdown(record_or_merged: dict) -> str:
@@ -249,55 +363,71 @@ def markdown(record_or_merged: dict) -> str:
     first = records[0]
     s = first["settings"]
     lines = [
-        f"TP={first['tp']} on {first['device'].upper()} ({first['dtype']}); each cell is **(a) stock AutoTP → "
-        f"(b) codegen (b/a)**; {s['prompt_len']}-token prefill, batch {s['batch']}; decode: {s['decode_steps']} timed "
-        f"steps after {s['warmup']} warm-up; latency = slowest rank, median [p25–p75] in ms.",
+        f"TP={first['tp']} on {first['device'].upper()}; (a) stock DeepSpeed AutoTP, (b) codegen, (d) transformers "
+        "native TP (`tp_plan=\"auto\"`), each cell **a / b / d**; latency = slowest rank, median; decode "
+        "teacher-forced with the float32 single-process model's greedy tokens; `crash` = that setup failed to load "
+        "or run (below), `–` = not run. Collectives: all-reduces, `+Ng` = N other collectives (all-gathers). "
+        "Numerics: float32 rows max |Δlogits| vs the float32 single process (c); bfloat16 rows the relative error "
+        "max|Δ|/max|logits| vs (c) and the share of decode steps whose greedy token matches (c)'s.",
         "",
-        "| model | transformers | all-reduces / prefill | per MoE layer (prefill) | all-reduces / decode step "
-        "| per MoE layer (decode) | decode step ms | prefill ms | expert MiB / rank | other MiB / rank "
-        "| max abs Δlogits vs (c): a, b |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | transformers | dtype | batch | collectives / MoE layer (decode) | collectives / decode step "
+        "| decode ms | decode tokens/s | prefill ms | expert MiB / rank | numerics | b/a decode, prefill "
+        "| b/d decode, prefill |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    crashes = []
-    for rec, family, e in _rows(records):
-        a, b, r = e["stock"], e["codegen"], e["ratio_b_over_a"]
-        if crashed(a):
-            crashes.append(f"- {family}, transformers {rec['machine']['transformers']}: stock AutoTP crashed "
-                           f"({crashed(a)}); (a) is shown as crash, (b) ran alone")
-            a = _CRASHED
-        ab, bb = a["param_bytes_per_rank"], b["param_bytes_per_rank"]
+    notes = []
+    for rec, row in _rows(records):
+        tf = rec["machine"]["transformers"]
+        where = f"{row['family']} ({row['size']} widths), transformers {tf}, {row['dtype']}, batch {row['batch']}"
+        for mode, letter in SETUP_ORDER:
+            figures = row.get(mode)
+            if figures is None:
+                continue
+            if crashed(figures):
+                notes.append(f"- ({letter}) {where}: crashed: {crashed(figures)}")
+            elif figures.get("note"):
+                notes.append(f"- ({letter}) {where}: {figures['note']}")
+        if row.get("groups"):
+            notes.append(f"- {where}: the three setups do not fit side by side; interleaved as "
+                         + " then ".join("(" + ", ".join(dict(SETUP_ORDER)[m] for m in g) + ")" for g in row["groups"])
+                         + "; b/d compares (d) with the (b) run beside it")
+        size = "" if row["size"] == "bench" else f", {row['size']}"
         lines.append(
-            f"| {family} ({_label(family)}) | {rec['machine']['transformers']} "
-            f"| {a['allreduce_prefill']} → {b['allreduce_prefill']} ({_fmt_ratio(r['allreduce_prefill'])}) "
-            f"| {_count(a['allreduce_prefill_per_moe_layer_mean'])} → {_count(b['allreduce_prefill_per_moe_layer_mean'])} "
-            f"| {_count(a['allreduce_decode_step']['median'])} → {_count(b['allreduce_decode_step']['median'])} "
-            f"({_fmt_ratio(r['allreduce_decode_step'])}) "
-            f"| {_count(a['allreduce_decode_per_moe_layer_mean'])} → {_count(b['allreduce_decode_per_moe_layer_mean'])} "
-            f"| {_ms(a['decode'])} → {_ms(b['decode'])} ({_fmt_ratio(r['decode_median'])}) "
-            f"| {_ms(a['prefill'])} → {_ms(b['prefill'])} ({_fmt_ratio(r['prefill_median'])}) "
-            f"| {_mb(ab['experts'])} → {_mb(bb['experts'])} ({_fmt_ratio(r['expert_bytes'])}) "
-            f"| {_mb(ab['rest'])} → {_mb(bb['rest'])} ({_fmt_ratio(r['rest_bytes'])}) "
-            f"| {_diff(a)}, {_diff(b)} |"
+            f"| {row['family']} ({_label(row['family'])}{size}) | {tf} | {row['dtype']} | {row['batch']} "
+            f"| {_cells(row, _per_layer)} | {_cells(row, _per_step)} "
+            f"| {_cells(row, lambda f: format(f['decode']['median'] * 1e3, '.1f'))} "
+            f"| {_cells(row, lambda f: format(f['decode_tokens_per_s'], '.1f'))} "
+            f"| {_cells(row, lambda f: format(f['prefill']['median'] * 1e3, '.0f'))} "
+            f"| {_cells(row, lambda f: _mb(f['param_bytes_per_rank']['experts']))} "
+            f"| {_cells(row, lambda f: _numerics(f, row['dtype']))} "
+            f"| {_ratio_cell(row, 'ratio_b_over_a')} | {_ratio_cell(row, 'ratio_b_over_d')} |"
         )
-    if crashes:
-        lines += ["", "Stock AutoTP crashed (no (a) figures; ratios –):", ""] + crashes
-    lines += [
-        "",
-        "`python -m codegen patch DIR`: wall time of a cold process, median of n trials; start-up = "
-        "`python -m codegen --version` (interpreter + CLI import) in the same environment:",
-        "",
-        "| model | transformers | patch wall s |",
-        "|---|---|---|",
-    ]
-    for rec in records:
-        pt = rec["patch_timing"]
-        base = pt.get("startup_baseline_s")
-        for family, med in pt["median_s"].items():
-            n = len(pt["families"][family])
+    if notes:
+        lines += ["", "Notes:", ""] + notes
+    timed = [(rec, f, med, len(rec["patch_timing"]["families"][f])) for rec in records
+             for f, med in rec.get("patch_timing", {}).get("median_s", {}).items()]
+    if timed:
+        lines += [
+            "",
+            "`python -m codegen patch DIR`: wall time of a cold process, median of n trials; start-up = "
+            "`python -m codegen --version` (interpreter + CLI import) in the same environment:",
+            "",
+            "| model | transformers | patch wall s |",
+            "|---|---|---|",
+        ]
+        for rec, family, med, n in timed:
+            base = rec["patch_timing"].get("startup_baseline_s")
             lines.append(f"| {family} | {rec['machine']['transformers']} | {med:.2f} (n={n}"
                          + (f"; start-up {base:.2f})" if base is not None else ")") + " |")
-    lines += ["", "Machines:", ""] + [f"- {_machine_line(rec)}" for rec in records]
+    lines += ["", "Runs:", ""] + [f"- {_run_line(rec)}" for rec in records]
     return "\n".join(lines) + "\n"
+
+
+def _run_line(rec: dict) -> str:
+    s = rec["settings"]
+    return (f"{rec['kind']} ({s['size']} widths), {rec['dtype']}, batches {', '.join(map(str, s['batches']))}: "
+            f"{s['prompt_len']}-token prompt per sequence, {s['warmup']} warm-up + {s['prefill_repeats']} timed "
+            f"prefills, {s['warmup']} warm-up + {s['decode_steps']} timed decode steps; " + _machine_line(rec))
 
 
 def _machine_line(rec: dict) -> str:
@@ -323,57 +453,43 @@ def chart(record_or_merged: dict, path: Path) -> None:
     except ImportError:
         raise BadInput("--chart needs matplotlib: pip install matplotlib (or codegen[bench])") from None
     rows = list(_rows(_records(record_or_merged)))
-    labels = [f"{family}\ntf {rec['machine']['transformers']}" for rec, family, _ in rows]
+    labels = [f"{row['family']}{'' if row['size'] == 'bench' else ' full'}\ntf {rec['machine']['transformers']}\n"
+              f"{'bf16' if row['dtype'] == 'bfloat16' else 'fp32'} b{row['batch']}" for rec, row in rows]
     x = list(range(len(rows)))
-    w = 0.2
-    fig, grid = plt.subplots(2, 2, figsize=(max(11, 2.8 * len(rows) + 3), 8.6))
-    axes = grid.flatten()
-    colours = {"stock": "#c44e52", "codegen": "#4c72b0"}
-    names = {"stock": "(a) stock AutoTP", "codegen": "(b) codegen"}
-
-    ax = axes[0]
-    for j, (mode, phase, key, hatch) in enumerate([
-        ("stock", "prefill", "allreduce_prefill_per_moe_layer_mean", ""),
-        ("codegen", "prefill", "allreduce_prefill_per_moe_layer_mean", ""),
-        ("stock", "decode", "allreduce_decode_per_moe_layer_mean", "//"),
-        ("codegen", "decode", "allreduce_decode_per_moe_layer_mean", "//"),
-    ]):
-        values = [_figures(e, mode)[key] for _, _, e in rows]
-        bars = ax.bar([i + (j - 1.5) * w for i in x], values, w, color=colours[mode], hatch=hatch,
-                      edgecolor="white", label=f"{names[mode]}, {phase}")
-        ax.bar_label(bars, labels=[_count(v) for v in values], fontsize=7)
-    ax.set_yscale("log")
-    ax.set_ylim(0.5, None)
-    ax.set_title("all-reduces per MoE layer (log scale)", fontsize=10)
-    ax.legend(fontsize=7)
-
-    for ax, phase, title in ((axes[1], "decode", "decode step latency (ms)"), (axes[2], "prefill", "prefill latency (ms)")):
-        for j, mode in enumerate(("stock", "codegen")):
-            med = [_figures(e, mode)[phase]["median"] * 1e3 for _, _, e in rows]
-            lo = [m - _figures(e, mode)[phase]["p25"] * 1e3 for m, (_, _, e) in zip(med, rows)]
-            hi = [_figures(e, mode)[phase]["p75"] * 1e3 - m for m, (_, _, e) in zip(med, rows)]
-            ax.bar([i + (j - 0.5) * 2 * w for i in x], med, 2 * w, yerr=[lo, hi], capsize=3, color=colours[mode],
-                   label=names[mode])
-        ax.set_title(title + ", median, p25–p75", fontsize=10)
-        ax.legend(fontsize=7)
-    ax = axes[3]
-    for j, mode in enumerate(("stock", "codegen")):
-        for k, (part, hatch) in enumerate((("experts", ""), ("rest", "//"))):
-            values = [_figures(e, mode)["param_bytes_per_rank"][part] / 2**20 for _, _, e in rows]
-            bottom = None if k == 0 else [_figures(e, mode)["param_bytes_per_rank"]["experts"] / 2**20 for _, _, e in rows]
-            ax.bar([i + (j - 0.5) * 2 * w for i in x], values, 2 * w, bottom=bottom, color=colours[mode], hatch=hatch,
-                   edgecolor="white", label=f"{names[mode]}, {part}")
-    ax.set_title("parameter MiB per rank (experts / rest)", fontsize=10)
-    ax.legend(fontsize=7)
-    for ax in axes:
+    w = 0.27
+    fig, grid = plt.subplots(4, 1, figsize=(max(12, 0.9 * len(rows) + 3), 15))
+    colours = {"stock": "#c44e52", "codegen": "#4c72b0", "native": "#55a868"}
+    names = {"stock": "(a) stock AutoTP", "codegen": "(b) codegen", "native": "(d) transformers native TP"}
+    panels = [
+        ("decode tokens/s (higher is better)", lambda f: f["decode_tokens_per_s"], False),
+        ("decode step, ms relative to (b) codegen (log scale)", None, True),
+        ("all-reduces per MoE layer, decode", lambda f: f["allreduce_decode_per_moe_layer_mean"], True),
+        ("routed-expert MiB per rank", lambda f: f["param_bytes_per_rank"]["experts"] / 2**20, False),
+    ]
+    for ax, (title, value, log) in zip(grid, panels):
+        for j, (mode, _) in enumerate(SETUP_ORDER):
+            heights = []
+            for _, row in rows:
+                f, b = _present(row, mode), _present(row, "codegen")
+                if f is None:
+                    heights.append(float("nan"))
+                elif value is None:
+                    heights.append(f["decode"]["median"] / b["decode"]["median"])
+                else:
+                    heights.append(value(f))
+            ax.bar([i + (j - 1) * w for i in x], heights, w, color=colours[mode], label=names[mode])
+        if log:
+            ax.set_yscale("log")
+        ax.set_title(title, fontsize=10)
         ax.set_xticks(x)
-        ax.set_xticklabels(labels, fontsize=8)
+        ax.set_xticklabels(labels, fontsize=7)
+        ax.legend(fontsize=7)
     first = _records(record_or_merged)[0]
     fig.suptitle(f"codegen bench: TP={first['tp']} on {first['device'].upper()}, {first['machine']['cpu']}, "
-                 f"{first['machine']['cores']} cores", fontsize=10)
+                 f"{first['machine']['cores']} cores (missing bar: crashed or not run)", fontsize=10)
     fig.tight_layout()
     try:
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=100)
     except OSError as exc:
         raise IOFailure(f"cannot write {path}: {exc.strerror}") from None
     finally:
@@ -389,10 +505,13 @@ def merge(paths: list[Path]) -> dict:
             raise BadInput(f"{path}: {exc.strerror}") from None
         except ValueError:
             raise BadInput(f"{path} is not JSON: pass files written by `bench --json`") from None
-        if not isinstance(data, dict) or not ("families" in data or "runs" in data):
-            raise BadInput(f"{path} is not a `bench --json` record")
+        if not isinstance(data, dict) or not ("rows" in data or "runs" in data):
+            raise BadInput(f"{path} is not a `bench --json` record of this codegen version (no rows): run it again")
         runs += _records(data)
-    runs.sort(key=lambda r: [int(p) if p.isdigit() else 0 for p in str(r["machine"]["transformers"]).split(".")])
+    sizes = {"tiny": 0, "bench": 1, "full": 2}
+    runs.sort(key=lambda r: (sizes.get(r["settings"]["size"], 3),
+                             [int(p) if p.isdigit() else 0 for p in str(r["machine"]["transformers"]).split(".")],
+                             r["dtype"] != "float32"))
     return {"tool": f"codegen {__version__} bench (merged)", "runs": runs}
 
 
@@ -426,8 +545,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.device == "cpu" and args.tp > (os.cpu_count() or 1) * 4:
         raise BadInput(f"--tp {args.tp} is far more ranks than this machine's {os.cpu_count()} cores")
     progress = Progress()
-    kind = "smoke" if args.smoke else "full"
-    record = run_bench(kind, args.device, args.tp, args.workdir, progress)
+    kind = "smoke" if args.smoke else args.size
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    record = run_bench(kind, args.device, args.tp, args.workdir, progress, dtype=dtype)
     table = write_outputs(record, args.json, args.markdown, args.chart)
     print(table, end="")
     found = record["problems"]
@@ -435,7 +555,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"FAIL {p}", file=sys.stderr)
     if found:
         raise VerifyFailed(f"{len(found)} benchmark check(s) failed (figures written anyway)")
-    progress(f"done: {kind} benchmark, {len(record['families'])} families, wall {record['wall_s']:.0f}s")
+    progress(f"done: {kind} benchmark, {len(record['rows'])} rows, wall {record['wall_s']:.0f}s")
     return errors.OK
 
 

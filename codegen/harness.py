@@ -37,7 +37,8 @@ def patch_dir(path: Path, coalesce: bool = True) -> str:
     return api.patch(path, coalesce=coalesce).summary
 
 
-def build_examples(families: tuple[str, ...], size: str, root: Path, progress: Progress) -> dict[str, Path]:
+def build_examples(families: tuple[str, ...], size: str, root: Path, progress: Progress,
+                   dtype: str = "float32") -> dict[str, Path]:
     """Random hub-format checkpoints (codegen.examples), built in a child process: root/<family>/unpatched.
 
     A child process: this one never imports torch or transformers (the ranks do).
@@ -49,8 +50,9 @@ def build_examples(families: tuple[str, ...], size: str, root: Path, progress: P
     build = subprocess.run(
         [sys.executable, "-c",
          "import sys; from pathlib import Path; from codegen.examples import build_example\n"
-         "for fam in sys.argv[3:]: build_example(fam, Path(sys.argv[1]) / fam / 'unpatched', size=sys.argv[2])",
-         str(root), size, *families],
+         "extra = {} if sys.argv[3] == 'float32' else {'dtype': sys.argv[3]}\n"
+         "for fam in sys.argv[4:]: build_example(fam, Path(sys.argv[1]) / fam / 'unpatched', size=sys.argv[2], **extra)",
+         str(root), size, dtype, *families],
         capture_output=True, text=True, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"},
     )
     if build.returncode != 0:
@@ -60,11 +62,11 @@ def build_examples(families: tuple[str, ...], size: str, root: Path, progress: P
 
 
 def prepare_examples(families: tuple[str, ...], size: str, root: Path, progress: Progress,
-                     echo: bool = False) -> dict[str, dict]:
+                     echo: bool = False, dtype: str = "float32") -> dict[str, dict]:
     """Each family's random checkpoint and a patched copy: {family: {"unpatched", "patched"}}."""
     from codegen.modeldir import copy_with_linked_weights
 
-    built = build_examples(families, size, root, progress)
+    built = build_examples(families, size, root, progress, dtype)
     dirs = {}
     for family in families:
         patched = root / family / "patched"
@@ -77,17 +79,17 @@ def prepare_examples(families: tuple[str, ...], size: str, root: Path, progress:
     return dirs
 
 
-def ab_spec(dirs: dict[str, dict], tp: int, device: str, dtype: str, settings: dict) -> dict:
-    """A launch running the ab phase (codegen.tp_worker) on every family's pair of dirs."""
+def ab_spec(dirs: dict[str, dict], jobs: list[dict], tp: int, device: str, dtype: str, settings: dict) -> dict:
+    """A launch running the ab phase (codegen.tp_worker) once per job: {"name", "family", "batch", "setups"}."""
     return {
         "tp": tp,
         "device": device,
         "dtype": dtype,
-        "options": {"prompt_len": settings["prompt_len"], "batch": settings["batch"], "generate": 0,
-                    "decode_steps": settings["decode_steps"], "warmup": settings["warmup"],
-                    "repeats": settings["prefill_repeats"]},
-        "jobs": [{"name": family, "model": str(d["patched"]), "reference": str(d["unpatched"]), "phases": ["ab"]}
-                 for family, d in dirs.items()],
+        "options": {"prompt_len": settings["prompt_len"], "generate": 0, "decode_steps": settings["decode_steps"],
+                    "warmup": settings["warmup"], "repeats": settings["prefill_repeats"]},
+        "jobs": [{"name": job["name"], "model": str(dirs[job["family"]]["patched"]),
+                  "reference": str(dirs[job["family"]]["unpatched"]), "phases": ["ab"],
+                  "options": {"batch": job["batch"], "setups": list(job["setups"])}} for job in jobs],
     }
 
 

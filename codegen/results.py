@@ -135,57 +135,91 @@ def crashed(figures: dict | list) -> str | None:
     return None
 
 
+def _setup_figures(rs: list[dict], batch: int, prompt_len: int) -> dict:
+    """One setup's figures over its ranks: counts from rank 0 (checked equal on all), times the slowest rank's."""
+    m = rs[0]
+    keys = ("prefill_allreduce", "decode_allreduce", "prefill_allreduce_per_moe_block", "decode_allreduce_per_moe_block",
+            "prefill_gathers", "decode_gathers", "prefill_gathers_per_moe_block", "decode_gathers_per_moe_block")
+    counts_agree = all(r.get(k) == m.get(k) for r in rs for k in keys)
+    decode_blocks = [c for step in m["decode_allreduce_per_moe_block"] for c in step]
+    decode_gathers = [c for step in m.get("decode_gathers_per_moe_block", []) for c in step]
+    prefill, decode = spread(_slowest([r["prefill_s"] for r in rs])), spread(_slowest([r["decode_s"] for r in rs]))
+    figures = {
+        "allreduce_prefill": m["prefill_allreduce"],
+        "allreduce_prefill_per_moe_layer": m["prefill_allreduce_per_moe_block"],
+        "allreduce_prefill_per_moe_layer_mean": _mean(m["prefill_allreduce_per_moe_block"]),
+        "allreduce_decode_step": spread([float(c) for c in m["decode_allreduce"]]),
+        "allreduce_decode_per_moe_layer_mean": _mean(decode_blocks),
+        "allreduce_decode_per_moe_layer_min": min(decode_blocks, default=0),
+        "allreduce_decode_per_moe_layer_max": max(decode_blocks, default=0),
+        "gathers_prefill": m.get("prefill_gathers", 0),
+        "gathers_prefill_per_moe_layer_mean": _mean(m.get("prefill_gathers_per_moe_block", [])),
+        "gathers_decode_step": spread([float(c) for c in m.get("decode_gathers", [])]),
+        "gathers_decode_per_moe_layer_mean": _mean(decode_gathers),
+        "counts_same_on_all_ranks": counts_agree,
+        "prefill": prefill,
+        "decode": decode,
+        "decode_tokens_per_s": batch / decode["median"] if decode["median"] else None,
+        "prefill_tokens_per_s": batch * prompt_len / prefill["median"] if prefill["median"] else None,
+        "param_bytes_per_rank": {part: max(r["bytes"][part] for r in rs) for part in ("experts", "rest", "total")},
+        "maxdiff_prefill": max(r["prefill_maxdiff"] for r in rs),
+        "maxdiff_decode": max(r["decode_maxdiff"] for r in rs),
+        "relative_prefill": max(r.get("prefill_relative", 0.0) for r in rs),
+        "relative_decode": max(r.get("decode_relative", 0.0) for r in rs),
+        "load_s": max(r.get("load_s", 0.0) for r in rs),
+    }
+    total = sum(r.get("tokens_total", 0) for r in rs[:1])
+    figures["token_agreement"] = rs[0]["tokens_agree"] / total if total else None
+    if m.get("note"):
+        figures["note"] = m["note"]
+    return figures
+
+
+def ratios(b: dict, other: dict) -> dict:
+    """b over another setup, per figure (None each where that setup crashed or a figure is 0)."""
+    if crashed(other) or crashed(b):
+        return dict.fromkeys(RATIOS)
+    return {
+        "allreduce_prefill": _ratio(b["allreduce_prefill"], other["allreduce_prefill"]),
+        "allreduce_decode_step": _ratio(b["allreduce_decode_step"]["median"], other["allreduce_decode_step"]["median"]),
+        "decode_median": _ratio(b["decode"]["median"], other["decode"]["median"]),
+        "prefill_median": _ratio(b["prefill"]["median"], other["prefill"]["median"]),
+        "expert_bytes": _ratio(b["param_bytes_per_rank"]["experts"], other["param_bytes_per_rank"]["experts"]),
+        "rest_bytes": _ratio(b["param_bytes_per_rank"]["rest"], other["param_bytes_per_rank"]["rest"]),
+    }
+
+
 def summarise_ab(per_rank: list[dict], shape: dict) -> dict:
-    """One family's ab-phase figures of every rank (codegen.tp_worker.measure_ab) as one entry."""
+    """One family's ab-phase figures of every rank (codegen.tp_worker.measure_ab) as one entry.
+
+    entry[mode] for each setup that was asked for (stock, codegen, native): its figures, or
+    {"mode", "crashed"}; ratio_b_over_a (and ratio_b_over_d with native) compare codegen with it.
+    """
     first = per_rank[0]
+    batch, prompt_len = first.get("batch", 1), first.get("prompt_len", 0)
+    reference = first["reference"]
     entry = {
         "shape": shape,
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "dtype": first.get("dtype", "float32"),
         "num_layers": first["num_layers"],
         "moe_layers": first["codegen"]["moe_blocks"],
         "load_peak_bytes": first["full_bytes"],
+        "rss_peak_bytes_per_rank": max((r.get("rss_peak_bytes") or 0) for r in per_rank) or None,
         "reference": {
             "prefill": spread(_slowest([r["reference"]["prefill_s"] for r in per_rank])),
             "decode": spread(_slowest([r["reference"]["decode_s"] for r in per_rank])),
+            "single_process_error": reference.get("baseline"),
         },
     }
-    for mode in ("stock", "codegen"):
-        rs = [r[mode] for r in per_rank]
-        if mode == "stock" and crashed(rs):
-            entry[mode] = {"mode": mode, "crashed": crashed(rs)}
+    for mode in ("stock", "codegen", "native"):
+        if mode not in first:
             continue
-        m = rs[0]
-        counts_agree = all(
-            r["prefill_allreduce"] == m["prefill_allreduce"] and r["decode_allreduce"] == m["decode_allreduce"]
-            and r["prefill_allreduce_per_moe_block"] == m["prefill_allreduce_per_moe_block"]
-            and r["decode_allreduce_per_moe_block"] == m["decode_allreduce_per_moe_block"]
-            for r in rs
-        )
-        decode_blocks = [c for step in m["decode_allreduce_per_moe_block"] for c in step]
-        entry[mode] = {
-            "allreduce_prefill": m["prefill_allreduce"],
-            "allreduce_prefill_per_moe_layer": m["prefill_allreduce_per_moe_block"],
-            "allreduce_prefill_per_moe_layer_mean": _mean(m["prefill_allreduce_per_moe_block"]),
-            "allreduce_decode_step": spread([float(c) for c in m["decode_allreduce"]]),
-            "allreduce_decode_per_moe_layer_mean": _mean(decode_blocks),
-            "allreduce_decode_per_moe_layer_min": min(decode_blocks, default=0),
-            "allreduce_decode_per_moe_layer_max": max(decode_blocks, default=0),
-            "counts_same_on_all_ranks": counts_agree,
-            "prefill": spread(_slowest([r["prefill_s"] for r in rs])),
-            "decode": spread(_slowest([r["decode_s"] for r in rs])),
-            "param_bytes_per_rank": {part: max(r["bytes"][part] for r in rs) for part in ("experts", "rest", "total")},
-            "maxdiff_prefill": max(r["prefill_maxdiff"] for r in rs),
-            "maxdiff_decode": max(r["decode_maxdiff"] for r in rs),
-        }
-    a, b = entry["stock"], entry["codegen"]
-    if crashed(a):
-        entry["ratio_b_over_a"] = dict.fromkeys(RATIOS)
-        return entry
-    entry["ratio_b_over_a"] = {
-        "allreduce_prefill": _ratio(b["allreduce_prefill"], a["allreduce_prefill"]),
-        "allreduce_decode_step": _ratio(b["allreduce_decode_step"]["median"], a["allreduce_decode_step"]["median"]),
-        "decode_median": _ratio(b["decode"]["median"], a["decode"]["median"]),
-        "prefill_median": _ratio(b["prefill"]["median"], a["prefill"]["median"]),
-        "expert_bytes": _ratio(b["param_bytes_per_rank"]["experts"], a["param_bytes_per_rank"]["experts"]),
-        "rest_bytes": _ratio(b["param_bytes_per_rank"]["rest"], a["param_bytes_per_rank"]["rest"]),
-    }
+        rs = [r[mode] for r in per_rank]
+        entry[mode] = {"mode": mode, "crashed": crashed(rs)} if crashed(rs) else _setup_figures(rs, batch, prompt_len)
+    if "stock" in entry:
+        entry["ratio_b_over_a"] = ratios(entry["codegen"], entry["stock"])
+    if "native" in entry:
+        entry["ratio_b_over_d"] = ratios(entry["codegen"], entry["native"])
     return entry

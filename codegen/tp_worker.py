@@ -67,6 +67,12 @@ DEFAULTS = dict(prompt_len=16, batch=2, generate=16, decode_steps=0, warmup=1, r
 PROFILER_ALLREDUCE = ("c10d::allreduce_", "c10d::allreduce_coalesced_", "_c10d_functional::all_reduce",
                       "_c10d_functional::all_reduce_", "deepspeed::inference_all_reduce_",
                       "deepspeed::inference_all_reduce")
+#: collectives other than all-reduce a forward may issue (counted as `gathers`), where torch defines them
+OTHER_COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_tensor", "all_gather_tensor_autograd",
+                     "all_gather_single", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+                     "all_to_all", "all_to_all_single", "broadcast")
+#: how progress lines name each setup of the ab phase
+LABELS = {"stock": "(a) stock AutoTP", "codegen": "(b) codegen", "native": "(d) transformers native TP"}
 MOE_CLASSES = moe_class_names()
 #: router attributes of each MoE block class (kept whole on every rank)
 ROUTERS = {cls: family.routers for family in FAMILIES.values() for cls in family.moe_classes}
@@ -80,14 +86,19 @@ ROW_PARALLEL_BIASES = frozenset(family.fused.down_bias for family in FAMILIES.va
 
 
 class AllReduceCounter:
-    """Counts collective calls at the outermost layer only, whichever entry point issued them."""
+    """Counts collective calls at the outermost layer only, whichever entry point issued them.
+
+    `calls` counts all-reduces; `gathers` every other collective a forward may issue (all-gathers,
+    reduce-scatters, all-to-alls: transformers' native TP gathers the LM head's shards, for one).
+    """
 
     def __init__(self) -> None:
         self.calls = 0
+        self.gathers = 0
         self.log: list[str] = []  # entry point of each counted call, in order
         self._depth = 0
 
-    def wrap(self, owner: object, name: str, label: str | None = None) -> None:
+    def wrap(self, owner: object, name: str, label: str | None = None, kind: str = "all_reduce") -> None:
         original = getattr(owner, name, None)
         if original is None or getattr(original, "_codegen_counted", False):
             return
@@ -96,7 +107,10 @@ class AllReduceCounter:
         @functools.wraps(original)
         def counted(*args, **kwargs):
             if self._depth == 0:
-                self.calls += 1
+                if kind == "all_reduce":
+                    self.calls += 1
+                else:
+                    self.gathers += 1
                 self.log.append(label)
             self._depth += 1
             try:
@@ -125,8 +139,13 @@ class AllReduceCounter:
             import torch.distributed._functional_collectives as funcol
 
             self.wrap(funcol, "all_reduce", "torch.distributed._functional_collectives.all_reduce")
+            for name in OTHER_COLLECTIVES:
+                self.wrap(funcol, name, f"torch.distributed._functional_collectives.{name}", kind="other")
         except ImportError:
             pass
+        for name in OTHER_COLLECTIVES:
+            self.wrap(torch.distributed, name, f"torch.distributed.{name}", kind="other")
+            self.wrap(torch.distributed.distributed_c10d, name, f"torch.distributed.{name}", kind="other")
         cdb = deepspeed.comm.comm.cdb
         if cdb is not None:
             for name in ("all_reduce", "inference_all_reduce", "all_reduce_coalesced"):
@@ -137,6 +156,7 @@ class AllReduceCounter:
 
     def reset(self) -> None:
         self.calls = 0
+        self.gathers = 0
         self.log.clear()
 
 
@@ -150,10 +170,11 @@ def _dtype_kw() -> str:
     return "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
 
 
-def load(directory: str, remote: bool, dtype: torch.dtype):
+def load(directory: str, remote: bool, dtype: torch.dtype, **extra):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=remote, **{_dtype_kw(): dtype}).eval()
+    return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=remote, **{_dtype_kw(): dtype},
+                                                **extra).eval()
 
 
 def has_remote_code(directory: str) -> bool:
@@ -195,7 +216,8 @@ def param_bytes(model) -> dict:
     gates = set(router_params(model))
     experts = routers = total = 0
     for name, p in model.named_parameters():
-        size = p.numel() * p.element_size()
+        local = p.to_local() if hasattr(p, "to_local") else p  # a DTensor (native TP): this rank's shard
+        size = local.numel() * local.element_size()
         total += size
         if _is_expert_param(name):
             experts += size
@@ -226,18 +248,18 @@ def decoder_layers(model) -> list:
     return [m for m in model.modules() if hasattr(m, "self_attn") and layer_mlp(m) is not None]
 
 
-def per_block_counts(blocks, counter: AllReduceCounter) -> tuple[list[int], list]:
-    """Hooks adding each block's all-reduces (counter delta between entry and exit) to counts[i]."""
+def per_block_counts(blocks, counter: AllReduceCounter, attr: str = "calls") -> tuple[list[int], list]:
+    """Hooks adding each block's all-reduces (or `gathers`: counter delta between entry and exit) to counts[i]."""
     counts = [0] * len(blocks)
     handles = []
     for i, block in enumerate(blocks):
         start = {}
 
         def pre(_m, _a, start=start):
-            start["n"] = counter.calls
+            start["n"] = getattr(counter, attr)
 
         def post(_m, _a, _o, i=i, start=start):
-            counts[i] += counter.calls - start["n"]
+            counts[i] += getattr(counter, attr) - start["n"]
 
         handles.append(block.register_forward_pre_hook(pre))
         handles.append(block.register_forward_hook(post))
@@ -261,7 +283,8 @@ class Run:
         self.device_kind = spec.get("device", "cpu")
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.device = torch.device("cpu") if self.device_kind == "cpu" else torch.device(self.device_kind, local_rank)
-        self.dtype = getattr(torch, spec.get("dtype", "float32"))
+        self.dtype_name = spec.get("dtype", "float32")
+        self.dtype = getattr(torch, self.dtype_name)
         self.dist = dist
         self.counter = counter
         self.rank = dist.get_rank()
@@ -281,11 +304,14 @@ class Run:
         grain = {"tp_grain_size": opts["tp_grain_size"]} if opts["tp_grain_size"] else {}
         if phase == "codegen":
             model = load(job["model"], True, self.dtype)
-            policy = load_policy(job["model"], f"codegen_autotp_policy_{job['name']}")
+            policy = load_policy(job["model"], "codegen_autotp_policy_" + "".join(
+                c if c.isalnum() else "_" for c in job["name"]))
             extra = {"tensor_parallel": grain} if grain else {}
             # no dtype on CPU: the policy keeps the loaded model's (the default a user relies on; DeepSpeed's is fp16)
             dtype = {"dtype": self.dtype} if self.device_kind != "cpu" else {}
             return policy.init_inference(model, tp_size=self.tp, **extra, **dtype).module
+        if phase == "native":  # transformers' own TP plan over the same ranks (loads each rank's shard)
+            return load(job["reference"], has_remote_code(job["reference"]), self.dtype, tp_plan="auto")
         if phase == "stock":
             model = load(job["reference"], has_remote_code(job["reference"]), self.dtype)
             return deepspeed.init_inference(model, tensor_parallel={"tp_size": self.tp, **grain}, dtype=self.dtype,
@@ -373,11 +399,39 @@ class Reference:
         self.param_bytes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
         del model, out
         gc.collect()
+        self.baseline = (single_process_error(run, directory, ids, self)
+                         if decode_steps and run.dtype != torch.float32 else None)
 
     def tensors(self) -> list:
         """Every tensor this reference keeps (the gates' copies, logits, tokens): not a copy a model kept."""
         kept = (self.logits, self.tokens, *self.gates.values(), *self.forced, *self.step_logits)
         return [t for t in kept if isinstance(t, torch.Tensor)]
+
+
+def single_process_error(run: Run, directory: str, ids: torch.Tensor, ref: Reference) -> dict:
+    """The error of the unsharded model itself at the run's dtype, vs. its float32 self (same forced tokens).
+
+    What a tensor-parallel run at that dtype is judged against: its rounding differs from this one's
+    (partial sums rounded per rank) but should be of the same size.
+    """
+    model = load(directory, has_remote_code(directory), run.dtype).to(run.device)
+    agree = total = 0
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        logits = out.logits.float().cpu()
+        figures = {"prefill_maxdiff": (logits - ref.logits).abs().max().item(),
+                   "prefill_relative": _relative(logits, ref.logits), "decode_maxdiff": 0.0, "decode_relative": 0.0}
+        cache = cache_of(out)
+        for token, expected in zip(ref.forced, ref.step_logits):
+            out = model(token, past_key_values=cache, use_cache=True)
+            cache, logits = cache_of(out), out.logits.float().cpu()
+            figures["decode_maxdiff"] = max(figures["decode_maxdiff"], (logits - expected).abs().max().item())
+            figures["decode_relative"] = max(figures["decode_relative"], _relative(logits, expected))
+            same, n = _agree(logits, expected)
+            agree, total = agree + same, total + n
+    del model, out, cache
+    gc.collect()
+    return {**figures, "dtype": run.dtype_name, "tokens_agree": agree, "tokens_total": total}
 
 
 def _greedy(model, ids, n: int) -> torch.Tensor:
@@ -625,82 +679,155 @@ def _grad_check(blocks, counter: AllReduceCounter, dist) -> dict:
 # ------------------------------------------------------------------------------------------- the ab phase
 
 
+#: the ab phase's setups, in load order: codegen first (its load briefly holds the whole checkpoint, freed
+#: before the others load), then transformers' native TP (loads its shard), then stock AutoTP
+SETUPS = ("codegen", "native", "stock")
+
+
+def rotation(setups: list[str], k: int) -> list[str]:
+    """The order of timed unit k: ABBA generalised (a rotation every two units, reversed on odd units).
+
+    Two setups give a,b b,a b,a a,b ...; three give every setup every position equally often, so load
+    from other processes and order effects (caches warmed by the previous setup) hit all of them alike.
+    """
+    r = (k // 2) % len(setups)
+    seq = setups[r:] + setups[:r]
+    return seq[::-1] if k % 2 else seq
+
+
+def _relative(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |x - ref| / max |ref|: the error measure that means the same in float32 and bfloat16."""
+    scale = ref.abs().max().item()
+    return (x - ref).abs().max().item() / scale if scale else float("inf")
+
+
+def _agree(x: torch.Tensor, ref: torch.Tensor) -> tuple[int, int]:
+    """(matching, total) greedy next tokens of the last position, over the batch."""
+    same = x[:, -1].argmax(-1) == ref[:, -1].argmax(-1)
+    return int(same.sum().item()), same.numel()
+
+
 def measure_ab(run: Run, job: dict, opts: dict, ids, ref: Reference) -> dict:
-    """(a) stock AutoTP on the reference dir vs (b) the patched dir under its policy, interleaved ABBA."""
+    """The setups of opts["setups"] (stock AutoTP, codegen, native TP) loaded side by side, interleaved.
+
+    Stock and native are comparisons: a crash while loading or on the first forward is recorded
+    and the others run on. Decode steps are teacher-forced with the reference's greedy tokens.
+    """
     counter, dist = run.counter, run.dist
     warmup, steps, repeats = opts["warmup"], opts["decode_steps"], opts["repeats"]
+    wanted = [m for m in SETUPS if m in opts.get("setups", ("stock", "codegen"))]
     name = job["name"]
-    run.say(f"{name}: loading (a) stock deepspeed.init_inference and (b) codegen policy on {run.tp} ranks")
+    run.say(f"{name}: loading {', '.join(LABELS[m] for m in wanted)} on {run.tp} ranks ({run.dtype_name})")
 
-    def stock_loads_and_runs():
-        model = run.build("stock", job, opts)
-        with torch.no_grad():
-            model(ids)  # its first forward: a crash here leaves codegen alone
-        return model
+    models, record, crashes = {}, {}, {}
+    for mode in wanted:
+        t0 = time.perf_counter()
+        if mode == "codegen":
+            models[mode] = run.build(mode, job, opts)
+        else:
+            def loads_and_runs(mode=mode):
+                model = run.build(mode, job, opts)
+                with torch.no_grad():
+                    model(ids[:1, :8])  # its first forward: a crash here leaves the others alone
+                return model
 
-    stock, crashed = guarded(run, f"{name}: (a) stock", stock_loads_and_runs)
-    models = {"stock": stock} if crashed is None else {}
-    models["codegen"] = run.build("codegen", job, opts)
-    block_counts, hooks, record = {}, [], {}
+            model, crash = guarded(run, f"{name}: {LABELS[mode]}", loads_and_runs)
+            if crash is not None:
+                crashes[mode] = crash
+                continue
+            models[mode] = model
+        record[mode] = {"load_s": time.perf_counter() - t0}
+        gc.collect()
+    order_base = [m for m in ("stock", "codegen", "native") if m in models]
+    block_counts, gather_counts, hooks = {}, {}, []
     for mode, model in models.items():
         blocks = moe_blocks(model)
         block_counts[mode], handles = per_block_counts(blocks, counter)
-        hooks += handles
-        record[mode] = {"bytes": param_bytes(model), "moe_blocks": len(blocks)}
-
-    def order(k: int) -> list[str]:
-        pair = ("stock", "codegen") if k % 2 == 0 else ("codegen", "stock")  # ABBA
-        return [mode for mode in pair if mode in models]
+        gather_counts[mode], more = per_block_counts(blocks, counter, "gathers")
+        hooks += handles + more
+        figures = param_bytes(model)
+        record[mode].update(bytes=figures, moe_blocks=len(blocks))
+        full = ref.bytes["experts"] * torch.empty((), dtype=run.dtype).element_size() // 4  # ref: float32
+        if run.tp > 1 and figures["experts"] and figures["experts"] >= full:
+            record[mode]["note"] = "experts not sharded (every rank holds all routed experts)"
 
     def timed(mode, *a, **kw):
         dist.barrier()
-        before, blocks_before = counter.calls, list(block_counts[mode])
+        before, gathered = counter.calls, counter.gathers
+        blocks_before, gathers_before = list(block_counts[mode]), list(gather_counts[mode])
         run.sync()
         t0 = time.perf_counter()
         output = models[mode](*a, **kw)
         run.sync()
         elapsed = time.perf_counter() - t0
         per_block = [x - y for x, y in zip(block_counts[mode], blocks_before)]
-        return output, elapsed, counter.calls - before, per_block
+        per_block_gathers = [x - y for x, y in zip(gather_counts[mode], gathers_before)]
+        return output, elapsed, (counter.calls - before, counter.gathers - gathered), (per_block, per_block_gathers)
 
-    run.say(f"{name}: prefill {opts['prompt_len']} tokens x {warmup} warm-up + {repeats} timed, a/b alternating")
+    run.say(f"{name}: prefill {ids.shape[0]}x{ids.shape[1]} tokens x {warmup} warm-up + {repeats} timed, "
+            "setups alternating")
     with torch.no_grad():
         for k in range(warmup):
-            for mode in order(k):
+            for mode in rotation(order_base, k):
                 timed(mode, ids)
         for mode in models:
-            output, _, calls, per_block = timed(mode, ids)
+            output, _, (calls, gathers), (per_block, per_block_gathers) = timed(mode, ids)
+            logits = output.logits.float().cpu()
             record[mode].update(prefill_allreduce=calls, prefill_allreduce_per_moe_block=per_block,
-                                prefill_maxdiff=(output.logits.float().cpu() - ref.logits).abs().max().item(),
-                                prefill_s=[])
+                                prefill_gathers=gathers, prefill_gathers_per_moe_block=per_block_gathers,
+                                prefill_maxdiff=(logits - ref.logits).abs().max().item(),
+                                prefill_relative=_relative(logits, ref.logits), prefill_s=[])
         for k in range(repeats):
-            for mode in order(k):
+            for mode in rotation(order_base, k):
                 record[mode]["prefill_s"].append(timed(mode, ids)[1])
 
-        run.say(f"{name}: decode {warmup} warm-up + {steps} timed steps, a/b alternating every step")
+        run.say(f"{name}: decode {warmup} warm-up + {steps} timed steps of batch {ids.shape[0]}, "
+                "setups alternating every step")
         caches = {}
         for mode in models:
             caches[mode] = cache_of(timed(mode, ids, use_cache=True)[0])
-            record[mode].update(decode_s=[], decode_allreduce=[], decode_allreduce_per_moe_block=[], decode_maxdiff=0.0)
+            record[mode].update(decode_s=[], decode_allreduce=[], decode_allreduce_per_moe_block=[],
+                                decode_gathers=[], decode_gathers_per_moe_block=[], decode_maxdiff=0.0,
+                                decode_relative=0.0, tokens_agree=0, tokens_total=0)
         for k in range(warmup + steps):
-            for mode in order(k):
-                output, elapsed, calls, per_block = timed(mode, ref.forced[k], past_key_values=caches[mode],
-                                                          use_cache=True)
+            for mode in rotation(order_base, k):
+                output, elapsed, (calls, gathers), (per_block, per_block_gathers) = timed(
+                    mode, ref.forced[k], past_key_values=caches[mode], use_cache=True)
                 caches[mode] = cache_of(output)
                 r = record[mode]
-                r["decode_maxdiff"] = max(r["decode_maxdiff"],
-                                          (output.logits.float().cpu() - ref.step_logits[k]).abs().max().item())
+                logits = output.logits.float().cpu()
+                r["decode_maxdiff"] = max(r["decode_maxdiff"], (logits - ref.step_logits[k]).abs().max().item())
+                r["decode_relative"] = max(r["decode_relative"], _relative(logits, ref.step_logits[k]))
+                same, total = _agree(logits, ref.step_logits[k])
+                r["tokens_agree"] += same
+                r["tokens_total"] += total
                 if k >= warmup:
                     r["decode_s"].append(elapsed)
                     r["decode_allreduce"].append(calls)
                     r["decode_allreduce_per_moe_block"].append(per_block)
+                    r["decode_gathers"].append(gathers)
+                    r["decode_gathers_per_moe_block"].append(per_block_gathers)
     for h in hooks:
         h.remove()
     models.clear()
-    if crashed is not None:
-        record["stock"] = {"mode": "stock", "crashed": crashed}
-    return {**record, "full_bytes": ref.bytes,
-            "reference": {"prefill_s": ref.prefill_s, "decode_s": ref.decode_s[warmup:]}}
+    caches.clear()
+    gc.collect()
+    for mode, crash in crashes.items():
+        record[mode] = {"mode": mode, "crashed": crash}
+    return {**record, "full_bytes": ref.bytes, "batch": int(ids.shape[0]), "prompt_len": int(ids.shape[1]),
+            "dtype": run.dtype_name, "rss_peak_bytes": _rss_peak(),
+            "reference": {"prefill_s": ref.prefill_s, "decode_s": ref.decode_s[warmup:],
+                          "baseline": ref.baseline}}
+
+
+def _rss_peak() -> int | None:
+    """This rank's peak resident memory so far (bytes): reference, loads and every setup included."""
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    except (ImportError, OSError):
+        return None
 
 
 # --------------------------------------------------------------------------------------------------- main
