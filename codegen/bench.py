@@ -220,7 +220,7 @@ out = {}
 for family in families:
     with tempfile.TemporaryDirectory() as tmp:
         getattr(transformers, FAMILIES[family].config_class)(**SHAPES[size][family]).save_pretrained(tmp)
-        out[family] = {"dtype": parameter_bytes(tmp, dtype), "float32": parameter_bytes(tmp, "float32")}
+        out[family] = parameter_bytes(tmp, dtype)
 print(json.dumps({"transformers": transformers.__version__, "families": out}))
 """
 
@@ -253,12 +253,12 @@ def memory_plan(kind: str, families: tuple[str, ...], tp: int, dtype: str, progr
             chosen = max(pairs, key=lambda plan: plan["peak_total"])
             if not memory.fits(chosen, available):
                 raise BadInput(f"{family} at {settings['size']} widths in {dtype} needs about "
-                               f"{chosen['peak_total'] / 2**30:.1f} GiB with {tp} ranks (setups in pairs); "
-                               f"{available / 2**30:.1f} GiB is available: use --dtype bfloat16, fewer ranks or a "
-                               "bigger machine")
+                               f"{memory.required_bytes(chosen) / 2**30:.1f} GiB with {tp} ranks even with the "
+                               f"setups in pairs; {available / 2**30:.1f} GiB is available: use --dtype bfloat16, "
+                               "fewer ranks or a bigger machine")
             groups = PAIRS
-        progress(f"{family}: {settings['size']} widths, {dtype}: parameters {parts['dtype']['total'] / 2**30:.2f} GiB; "
-                 f"needs about {chosen['peak_total'] / 2**30:.1f} GiB at peak on {tp} ranks ("
+        progress(f"{family}: {settings['size']} widths, {dtype}: parameters {parts['total'] / 2**30:.2f} GiB; "
+                 f"needs about {memory.required_bytes(chosen) / 2**30:.1f} GiB at peak on {tp} ranks ("
                  + ("all setups side by side" if len(groups) == 1 else "(a, b) then (b, d): all three do not fit")
                  + f"); {available / 2**30:.1f} GiB available")
         plans[family] = {"parameter_bytes": parts, "plan": chosen, "available_bytes": available,
@@ -453,7 +453,7 @@ def chart(record_or_merged: dict, path: Path) -> None:
     except ImportError:
         raise BadInput("--chart needs matplotlib: pip install matplotlib (or codegen[bench])") from None
     rows = list(_rows(_records(record_or_merged)))
-    labels = [f"{row['family']}{'' if row['size'] == 'bench' else ' full'}\ntf {rec['machine']['transformers']}\n"
+    labels = [f"{row['family']}{'' if row['size'] == 'bench' else ' ' + row['size']}\ntf {rec['machine']['transformers']}\n"
               f"{'bf16' if row['dtype'] == 'bfloat16' else 'fp32'} b{row['batch']}" for rec, row in rows]
     x = list(range(len(rows)))
     w = 0.27
@@ -462,7 +462,7 @@ def chart(record_or_merged: dict, path: Path) -> None:
     names = {"stock": "(a) stock AutoTP", "codegen": "(b) codegen", "native": "(d) transformers native TP"}
     panels = [
         ("decode tokens/s (higher is better)", lambda f: f["decode_tokens_per_s"], False),
-        ("decode step, ms relative to (b) codegen (log scale)", None, True),
+        ("decode step ms relative to (b) codegen (above 1: slower than codegen)", None, True),
         ("all-reduces per MoE layer, decode", lambda f: f["allreduce_decode_per_moe_layer_mean"], True),
         ("routed-expert MiB per rank", lambda f: f["param_bytes_per_rank"]["experts"] / 2**20, False),
     ]
@@ -479,7 +479,7 @@ def chart(record_or_merged: dict, path: Path) -> None:
                     heights.append(value(f))
             ax.bar([i + (j - 1) * w for i in x], heights, w, color=colours[mode], label=names[mode])
         if log:
-            ax.set_yscale("log")
+            ax.set_yscale("symlog", linthresh=1)
         ax.set_title(title, fontsize=10)
         ax.set_xticks(x)
         ax.set_xticklabels(labels, fontsize=7)
