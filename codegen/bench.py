@@ -162,7 +162,11 @@ def run_bench(kind: str, device: str, tp: int, workdir: Path | None, progress: P
     families = families or families_of(kind)
     started = time.monotonic()
     memory = memory_plan(kind, families, tp, dtype, progress) if device == "cpu" else {}
-    groups = {f: m["groups"] for f, m in memory.items()}
+    skipped = {f: m["not_run"] for f, m in memory.items() if m.get("not_run")}
+    if len(skipped) == len(families):
+        raise BadInput(f"nothing fits in memory: {next(iter(skipped.values()))}")
+    families = tuple(f for f in families if f not in skipped)
+    groups = {f: m["groups"] for f, m in memory.items() if f in families}
     if workdir is not None:
         root = make_workdir(workdir, f"codegen-{kind}-")
         cleanup = None
@@ -177,6 +181,9 @@ def run_bench(kind: str, device: str, tp: int, workdir: Path | None, progress: P
         for row in rows:
             if row["family"] in memory:
                 row["memory_estimate"] = memory[row["family"]]
+        rows += [{"family": f, "label": _label(f), "size": settings["size"], "batch": batch, "dtype": dtype,
+                  "not_run": reason, "memory_estimate": memory[f]}
+                 for f, reason in skipped.items() for batch in settings["batches"]]
         trials = {}
         if settings["patch_trials"]:
             for family in families:
@@ -185,7 +192,7 @@ def run_bench(kind: str, device: str, tp: int, workdir: Path | None, progress: P
                                                  settings["patch_trials"])
         baseline = _startup_baseline(settings["patch_trials"]) if settings["patch_trials"] else None
         tolerance = TOLERANCE if dtype == "float32" else None
-        found = [p for row in rows for p in ab_problems(_row_name(row), row, tolerance)]
+        found = [p for row in rows if not row.get("not_run") for p in ab_problems(_row_name(row), row, tolerance)]
         record = result_record(
             "bench", kind, device=device, tp=tp, world_size=tp, dtype=dtype, tolerance=tolerance,
             settings={k: v for k, v in settings.items() if k != "timeout"}, families={}, problems=found,
@@ -211,16 +218,21 @@ def _row_name(row: dict) -> str:
 
 _ESTIMATE = """
 import json, sys, tempfile
-import transformers
+import torch, transformers
 from codegen.examples import SHAPES
 from codegen.families import FAMILIES
-from codegen.memory import parameter_bytes
+from codegen.memory import FUSED, parameter_bytes
 size, dtype, families = sys.argv[1], sys.argv[2], sys.argv[3:]
 out = {}
 for family in families:
+    config = getattr(transformers, FAMILIES[family].config_class)(**SHAPES[size][family])
     with tempfile.TemporaryDirectory() as tmp:
-        getattr(transformers, FAMILIES[family].config_class)(**SHAPES[size][family]).save_pretrained(tmp)
+        config.save_pretrained(tmp)
         out[family] = parameter_bytes(tmp, dtype)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    # fused 3-D experts: what stock AutoTP leaves whole on every rank
+    out[family]["fused"] = any(name.rsplit(".", 1)[-1] in FUSED for name, _ in model.named_parameters())
 print(json.dumps({"transformers": transformers.__version__, "families": out}))
 """
 
@@ -240,11 +252,11 @@ def memory_plan(kind: str, families: tuple[str, ...], tp: int, dtype: str, progr
     if child.returncode != 0:
         raise VerifyFailed(f"estimating the benchmark's memory failed: {_last_error_line(child.stderr)}")
     estimate = json.loads(child.stdout.strip().splitlines()[-1])
-    replicated = int(estimate["transformers"].split(".")[0]) >= 5  # stock AutoTP leaves fused experts whole
     available = memory.available_bytes()
     plans = {}
     for family in families:
         parts = estimate["families"][family]
+        replicated = parts["fused"]
         everything = memory.plan(parts, tp, list(settings["setups"]), replicated)
         groups = (tuple(settings["setups"]),)
         chosen = everything
@@ -252,10 +264,13 @@ def memory_plan(kind: str, families: tuple[str, ...], tp: int, dtype: str, progr
             pairs = [memory.plan(parts, tp, list(pair), replicated) for pair in PAIRS]
             chosen = max(pairs, key=lambda plan: plan["peak_total"])
             if not memory.fits(chosen, available):
-                raise BadInput(f"{family} at {settings['size']} widths in {dtype} needs about "
-                               f"{memory.required_bytes(chosen) / 2**30:.1f} GiB with {tp} ranks even with the "
-                               f"setups in pairs; {available / 2**30:.1f} GiB is available: use --dtype bfloat16, "
-                               "fewer ranks or a bigger machine")
+                reason = (f"needs about {memory.required_bytes(chosen) / 2**30:.1f} GiB with {tp} ranks even with the "
+                          f"setups in pairs; {available / 2**30:.1f} GiB is available (use --dtype bfloat16 or a "
+                          "bigger machine)")
+                progress(f"{family}: {settings['size']} widths, {dtype}: not run: {reason}")
+                plans[family] = {"parameter_bytes": parts, "plan": chosen, "available_bytes": available,
+                                 "groups": [], "not_run": reason}
+                continue
             groups = PAIRS
         progress(f"{family}: {settings['size']} widths, {dtype}: parameters {parts['total'] / 2**30:.2f} GiB; "
                  f"needs about {memory.required_bytes(chosen) / 2**30:.1f} GiB at peak on {tp} ranks ("
@@ -281,7 +296,7 @@ def _loadavg() -> float | None:
 
 def problems(record: dict) -> list[str]:
     """What makes a bench run fail (codegen.checks.ab_problems of every row)."""
-    return [p for rec in _records(record) for row in rec["rows"]
+    return [p for rec in _records(record) for row in rec["rows"] if not row.get("not_run")
             for p in ab_problems(_row_name(row), row, rec.get("tolerance", TOLERANCE))]
 
 
@@ -379,6 +394,11 @@ def markdown(record_or_merged: dict) -> str:
     for rec, row in _rows(records):
         tf = rec["machine"]["transformers"]
         where = f"{row['family']} ({row['size']} widths), transformers {tf}, {row['dtype']}, batch {row['batch']}"
+        if row.get("not_run"):
+            notes.append(f"- {where}: not run: {row['not_run']}")
+            lines.append(f"| {row['family']} ({_label(row['family'])}, {row['size']}) | {tf} | {row['dtype']} "
+                         f"| {row['batch']} | not run: does not fit in memory (below) |" + " |" * 8)
+            continue
         for mode, letter in SETUP_ORDER:
             figures = row.get(mode)
             if figures is None:
@@ -452,7 +472,7 @@ def chart(record_or_merged: dict, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise BadInput("--chart needs matplotlib: pip install matplotlib (or codegen[bench])") from None
-    rows = list(_rows(_records(record_or_merged)))
+    rows = [(rec, row) for rec, row in _rows(_records(record_or_merged)) if not row.get("not_run")]
     labels = [f"{row['family']}{'' if row['size'] == 'bench' else ' ' + row['size']}\ntf {rec['machine']['transformers']}\n"
               f"{'bf16' if row['dtype'] == 'bfloat16' else 'fp32'} b{row['batch']}" for rec, row in rows]
     x = list(range(len(rows)))

@@ -26,6 +26,8 @@ ROW_PARALLEL_BIASES = frozenset(family.fused.down_bias for family in FAMILIES.va
 #: the bench's setups: stock DeepSpeed AutoTP, codegen's policy, transformers' own `tp_plan="auto"`
 SETUP_STOCK, SETUP_CODEGEN, SETUP_NATIVE = "stock", "codegen", "native"
 SETUPS = (SETUP_STOCK, SETUP_CODEGEN, SETUP_NATIVE)
+#: the order codegen.tp_worker loads them in: codegen's whole-copy transient first, while nothing else is held
+LOAD_ORDER = (SETUP_CODEGEN, SETUP_NATIVE, SETUP_STOCK)
 
 #: bytes per element of the dtypes a run uses (torch attribute names)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -104,7 +106,8 @@ def plan(parts: dict, tp: int, setups: list[str], experts_replicated_stock: bool
     embeddings, norms and routers do not); `native` counts its experts whole (transformers' `tp_plan` does
     not shard every family's experts); `stock` counts them whole where `experts_replicated_stock` (transformers
     >= 5: AutoTP leaves fused 3-D experts replicated). Two transients come on top of the setups: the float32
-    reference each rank loads first and frees, and the full checkpoint copy a rank holds while a setup loads.
+    reference each rank loads first and frees, and the full checkpoint copy a rank holds while a setup loads
+    (next to the setups loaded before it, in LOAD_ORDER).
     """
     if tp < 1:
         raise ValueError(f"tp must be >= 1, got {tp}")
@@ -120,7 +123,13 @@ def plan(parts: dict, tp: int, setups: list[str], experts_replicated_stock: bool
     per_setup = {s: experts_per_rank[s] + parts["rest"] for s in setups}
     resident_total = tp * sum(per_setup.values())
     reference_total = tp * parts["float32_total"]
-    loading_total = resident_total + tp * parts["total"]
+    # the rank worker loads codegen first (a whole copy, then its shards), then native, then stock: each
+    # load holds a whole checkpoint copy next to the setups already resident
+    held, steps = 0, []
+    for setup in [s for s in LOAD_ORDER if s in per_setup]:
+        steps.append(held + parts["total"] + (per_setup[setup] if setup == SETUP_CODEGEN else 0))
+        held += per_setup[setup]
+    loading_total = tp * max(steps)
     return {
         "tp": tp,
         "per_setup_per_rank": per_setup,

@@ -54,7 +54,8 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from codegen.families import FAMILIES, fused_attr_names, moe_class_names  # noqa: E402
+from codegen.families import FAMILIES, moe_class_names  # noqa: E402
+from codegen.memory import FUSED, LOAD_ORDER, ROW_PARALLEL_BIASES, is_expert_param  # noqa: E402
 
 _T_TORCH = time.perf_counter()
 
@@ -76,13 +77,8 @@ LABELS = {"stock": "(a) stock AutoTP", "codegen": "(b) codegen", "native": "(d) 
 MOE_CLASSES = moe_class_names()
 #: router attributes of each MoE block class (kept whole on every rank)
 ROUTERS = {cls: family.routers for family in FAMILIES.values() for cls in family.moe_classes}
-EXPERT_ATTRS = frozenset(family.experts_attr for family in FAMILIES.values())
-FUSED = fused_attr_names()
 #: decoder-layer attributes holding the MLP or MoE block, every family and generation ("mlp" first)
 MLP_ATTRS = tuple(dict.fromkeys(a for family in FAMILIES.values() for a in family.moe_block_attrs))
-#: fused expert biases of the row-parallel (down) projection: whole on every rank by design (the policy keeps
-#: them on one rank, zeros elsewhere, so the reduction adds them once), so neither sharded nor routed-expert bytes
-ROW_PARALLEL_BIASES = frozenset(family.fused.down_bias for family in FAMILIES.values() if family.fused.down_bias)
 
 
 class AllReduceCounter:
@@ -205,13 +201,6 @@ def router_params(model) -> dict:
     return found
 
 
-def _is_expert_param(name: str) -> bool:
-    """A routed expert weight (sharded 1/tp by TP); a row-parallel expert bias counts as the rest (replicated)."""
-    if name.endswith(tuple(f".{e}.{b}" for e in EXPERT_ATTRS for b in ROW_PARALLEL_BIASES)):
-        return False
-    return any(f".{e}." in name or name.endswith(tuple(f".{e}.{f}" for f in FUSED)) for e in EXPERT_ATTRS)
-
-
 def param_bytes(model) -> dict:
     gates = set(router_params(model))
     experts = routers = total = 0
@@ -219,7 +208,7 @@ def param_bytes(model) -> dict:
         local = p.to_local() if hasattr(p, "to_local") else p  # a DTensor (native TP): this rank's shard
         size = local.numel() * local.element_size()
         total += size
-        if _is_expert_param(name):
+        if is_expert_param(name):  # the one rule, shared with the bench's memory plan
             experts += size
         elif name in gates:
             routers += size
@@ -681,7 +670,7 @@ def _grad_check(blocks, counter: AllReduceCounter, dist) -> dict:
 
 #: the ab phase's setups, in load order: codegen first (its load briefly holds the whole checkpoint, freed
 #: before the others load), then transformers' native TP (loads its shard), then stock AutoTP
-SETUPS = ("codegen", "native", "stock")
+SETUPS = LOAD_ORDER
 
 
 def rotation(setups: list[str], k: int) -> list[str]:
