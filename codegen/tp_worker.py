@@ -834,7 +834,7 @@ def run_job(run: Run, job: dict, defaults: dict, timings: dict) -> dict:
     ids = ids.to(run.device)
     phases = job["phases"]
     decode = opts["warmup"] + opts["decode_steps"] if "ab" in phases else 0
-    run.say(f"{name}: single-process reference (prefill {opts['prompt_len']} tokens"
+    run.say(f"{name}: single-process reference (prefill {opts['batch']}x{opts['prompt_len']} tokens"
             + (f" + {decode} greedy decode steps)" if decode else ")"))
     t = time.perf_counter()
     ref = Reference(run, job["reference"], ids, opts["generate"] if set(phases) - {"ab"} else 0, decode)
