@@ -104,9 +104,18 @@ def run_ab(kind: str, families: tuple[str, ...], tp: int, device: str, root: Pat
         for batch in settings["batches"]:
             for g, setups in enumerate((groups or {}).get(family, (settings["setups"],))):
                 jobs.append({"name": f"{family}/b{batch}/g{g}", "family": family, "batch": batch, "setups": setups})
-    progress(f"starting {tp} {device.upper()} ranks; every timed step runs each setup back to back, in rotating order")
-    ranks = launch(ab_spec(dirs, jobs, tp, device, dtype, settings), tp, settings["timeout"], progress,
-                   what="benchmark")
+    # full widths: one launch per family, so no rank carries one family's freed-but-kept heap into the next
+    batches = [[f] for f in families] if settings["size"] == "full" else [list(families)]
+    ranks: list[dict] = []
+    for launched in batches:
+        progress(f"starting {tp} {device.upper()} ranks ({', '.join(launched)}); every timed step runs each setup "
+                 "back to back, in rotating order")
+        spec = ab_spec(dirs, [job for job in jobs if job["family"] in launched], tp, device, dtype, settings)
+        for k, rank in enumerate(launch(spec, tp, settings["timeout"], progress, what="benchmark")):
+            if k < len(ranks):
+                ranks[k]["jobs"].update(rank["jobs"])
+            else:
+                ranks.append(rank)
     rows = []
     for family in families:
         shape = shape_of(dirs[family]["unpatched"], family, settings["size"])
@@ -213,7 +222,12 @@ def run_bench(kind: str, device: str, tp: int, workdir: Path | None, progress: P
 
 
 def _row_name(row: dict) -> str:
-    return f"{row['family']} (batch {row['batch']}, {row['dtype']}, {row['size']})"
+    return f"{row['family']} (batch {row['batch']}, {row['dtype']}, {_size(row['size'])} widths)"
+
+
+def _size(size: str) -> str:
+    """The CLI's name of an example size: `bench` shapes are what `--size toy` runs."""
+    return {"bench": "toy"}.get(size, size)
 
 
 _ESTIMATE = """
@@ -267,12 +281,12 @@ def memory_plan(kind: str, families: tuple[str, ...], tp: int, dtype: str, progr
                 reason = (f"needs about {memory.required_bytes(chosen) / 2**30:.1f} GiB with {tp} ranks even with the "
                           f"setups in pairs; {available / 2**30:.1f} GiB is available (use --dtype bfloat16 or a "
                           "bigger machine)")
-                progress(f"{family}: {settings['size']} widths, {dtype}: not run: {reason}")
+                progress(f"{family}: {_size(settings['size'])} widths, {dtype}: not run: {reason}")
                 plans[family] = {"parameter_bytes": parts, "plan": chosen, "available_bytes": available,
                                  "groups": [], "not_run": reason}
                 continue
             groups = PAIRS
-        progress(f"{family}: {settings['size']} widths, {dtype}: parameters {parts['total'] / 2**30:.2f} GiB; "
+        progress(f"{family}: {_size(settings['size'])} widths, {dtype}: parameters {parts['total'] / 2**30:.2f} GiB; "
                  f"needs about {memory.required_bytes(chosen) / 2**30:.1f} GiB at peak on {tp} ranks ("
                  + ("all setups side by side" if len(groups) == 1 else "(a, b) then (b, d): all three do not fit")
                  + f"); {available / 2**30:.1f} GiB available")
@@ -368,6 +382,16 @@ def _numerics(f: dict, dtype: str) -> str:
             + (f", {agreement:.0%}" if agreement is not None else ""))
 
 
+def _unsharded(row: dict) -> str:
+    """A low-precision row's yardstick: the unsharded model's own error and agreement at that dtype."""
+    single = row.get("reference", {}).get("single_process_error")
+    if not single:
+        return ""
+    agreement = single["tokens_agree"] / single["tokens_total"] if single["tokens_total"] else None
+    return (f" (unsharded {row['dtype']}: {max(single['prefill_relative'], single['decode_relative']):.0e}"
+            + (f", {agreement:.0%})" if agreement is not None else ")"))
+
+
 def _ratio_cell(row: dict, key: str) -> str:
     r = row.get(key) or {}
     return f"{_fmt_ratio(r.get('decode_median'))}, {_fmt_ratio(r.get('prefill_median'))}"
@@ -376,7 +400,6 @@ def _ratio_cell(row: dict, key: str) -> str:
 def markdown(record_or_merged: dict) -> str:
     records = _records(record_or_merged)
     first = records[0]
-    s = first["settings"]
     lines = [
         f"TP={first['tp']} on {first['device'].upper()}; (a) stock DeepSpeed AutoTP, (b) codegen, (d) transformers "
         "native TP (`tp_plan=\"auto\"`), each cell **a / b / d**; latency = slowest rank, median; decode "
@@ -390,40 +413,39 @@ def markdown(record_or_merged: dict) -> str:
         "| b/d decode, prefill |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    notes = []
+    notes: dict[str, list[str]] = {}  # one line per finding, naming the rows it holds for
     for rec, row in _rows(records):
         tf = rec["machine"]["transformers"]
-        where = f"{row['family']} ({row['size']} widths), transformers {tf}, {row['dtype']}, batch {row['batch']}"
+        where = f"{_size(row['size'])} {row['dtype']} batch {row['batch']}"
         if row.get("not_run"):
-            notes.append(f"- {where}: not run: {row['not_run']}")
-            lines.append(f"| {row['family']} ({_label(row['family'])}, {row['size']}) | {tf} | {row['dtype']} "
-                         f"| {row['batch']} | not run: does not fit in memory (below) |" + " |" * 8)
+            notes.setdefault(f"{row['family']} ({_size(row['size'])} widths, transformers {tf}): not run: "
+                             f"{row['not_run']}", []).append(where)
+            lines.append(f"| {row['family']} ({_label(row['family'])}, {_size(row['size'])}) | {tf} | {row['dtype']} "
+                         f"| {row['batch']} | not run: does not fit in memory (notes) |" + " |" * 8)
             continue
         for mode, letter in SETUP_ORDER:
             figures = row.get(mode)
-            if figures is None:
-                continue
-            if crashed(figures):
-                notes.append(f"- ({letter}) {where}: crashed: {crashed(figures)}")
-            elif figures.get("note"):
-                notes.append(f"- ({letter}) {where}: {figures['note']}")
+            if figures is not None and (crashed(figures) or figures.get("note")):
+                finding = f"crashed: {crashed(figures)}" if crashed(figures) else figures["note"]
+                notes.setdefault(f"({letter}) {row['family']}, transformers {tf}: {finding}", []).append(where)
         if row.get("groups"):
-            notes.append(f"- {where}: the three setups do not fit side by side; interleaved as "
-                         + " then ".join("(" + ", ".join(dict(SETUP_ORDER)[m] for m in g) + ")" for g in row["groups"])
-                         + "; b/d compares (d) with the (b) run beside it")
-        size = "" if row["size"] == "bench" else f", {row['size']}"
+            notes.setdefault(f"{row['family']}, transformers {tf}: the three setups do not fit side by side; "
+                             "interleaved as " + " then ".join(
+                                 "(" + ", ".join(dict(SETUP_ORDER)[m] for m in g) + ")" for g in row["groups"])
+                             + "; b/d compares (d) with the (b) run beside it", []).append(where)
         lines.append(
-            f"| {row['family']} ({_label(row['family'])}{size}) | {tf} | {row['dtype']} | {row['batch']} "
-            f"| {_cells(row, _per_layer)} | {_cells(row, _per_step)} "
+            f"| {row['family']} ({_label(row['family'])}, {_size(row['size'])}) | {tf} | {row['dtype']} "
+            f"| {row['batch']} | {_cells(row, _per_layer)} | {_cells(row, _per_step)} "
             f"| {_cells(row, lambda f: format(f['decode']['median'] * 1e3, '.1f'))} "
             f"| {_cells(row, lambda f: format(f['decode_tokens_per_s'], '.1f'))} "
             f"| {_cells(row, lambda f: format(f['prefill']['median'] * 1e3, '.0f'))} "
             f"| {_cells(row, lambda f: _mb(f['param_bytes_per_rank']['experts']))} "
-            f"| {_cells(row, lambda f: _numerics(f, row['dtype']))} "
+            f"| {_cells(row, lambda f: _numerics(f, row['dtype']))}{_unsharded(row)} "
             f"| {_ratio_cell(row, 'ratio_b_over_a')} | {_ratio_cell(row, 'ratio_b_over_d')} |"
         )
     if notes:
-        lines += ["", "Notes:", ""] + notes
+        lines += ["", "Notes (the rows each holds for):", ""]
+        lines += [f"- {text} ({'; '.join(where)})" for text, where in notes.items()]
     timed = [(rec, f, med, len(rec["patch_timing"]["families"][f])) for rec in records
              for f, med in rec.get("patch_timing", {}).get("median_s", {}).items()]
     if timed:
@@ -445,7 +467,7 @@ def markdown(record_or_merged: dict) -> str:
 
 def _run_line(rec: dict) -> str:
     s = rec["settings"]
-    return (f"{rec['kind']} ({s['size']} widths), {rec['dtype']}, batches {', '.join(map(str, s['batches']))}: "
+    return (f"{rec['kind']} ({_size(s['size'])} widths), {rec['dtype']}, batches {', '.join(map(str, s['batches']))}: "
             f"{s['prompt_len']}-token prompt per sequence, {s['warmup']} warm-up + {s['prefill_repeats']} timed "
             f"prefills, {s['warmup']} warm-up + {s['decode_steps']} timed decode steps; " + _machine_line(rec))
 
@@ -473,7 +495,7 @@ def chart(record_or_merged: dict, path: Path) -> None:
     except ImportError:
         raise BadInput("--chart needs matplotlib: pip install matplotlib (or codegen[bench])") from None
     rows = [(rec, row) for rec, row in _rows(_records(record_or_merged)) if not row.get("not_run")]
-    labels = [f"{row['family']}{'' if row['size'] == 'bench' else ' ' + row['size']}\ntf {rec['machine']['transformers']}\n"
+    labels = [f"{row['family']} {_size(row['size'])}\ntf {rec['machine']['transformers']}\n"
               f"{'bf16' if row['dtype'] == 'bfloat16' else 'fp32'} b{row['batch']}" for rec, row in rows]
     x = list(range(len(rows)))
     w = 0.27
@@ -535,7 +557,36 @@ def merge(paths: list[Path]) -> dict:
     return {"tool": f"codegen {__version__} bench (merged)", "runs": runs}
 
 
-def write_outputs(record: dict, json_path: Path | None, md_path: Path | None, chart_path: Path | None) -> str:
+#: the README's copy of the results table sits between these lines (`merge --readme README.md` refreshes it)
+README_START, README_END = "<!-- bench-table: generated by python -m codegen.bench merge --readme -->", "<!-- /bench-table -->"
+
+
+def results_table(text: str) -> str:
+    """The main table of `markdown()`'s output: its header row through its last row."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| model |"))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return "\n".join(lines[start:end]) + "\n"
+
+
+def splice_readme(path: Path, text: str) -> None:
+    """Replace the README's results table (between README_START and README_END) with this one."""
+    try:
+        readme = path.read_text()
+    except OSError as exc:
+        raise IOFailure(f"cannot read {path}: {exc.strerror}") from None
+    if README_START not in readme or README_END not in readme:
+        raise BadInput(f"{path} has no results table to refresh: add the lines {README_START} and {README_END}")
+    head, rest = readme.split(README_START, 1)
+    _, tail = rest.split(README_END, 1)
+    try:
+        path.write_text(f"{head}{README_START}\n{results_table(text)}{README_END}{tail}")
+    except OSError as exc:
+        raise IOFailure(f"cannot write {path}: {exc.strerror}") from None
+
+
+def write_outputs(record: dict, json_path: Path | None, md_path: Path | None, chart_path: Path | None,
+                  readme_path: Path | None = None) -> str:
     table = markdown(record)
     try:
         if json_path is not None:
@@ -546,6 +597,8 @@ def write_outputs(record: dict, json_path: Path | None, md_path: Path | None, ch
         raise IOFailure(f"cannot write the benchmark output: {exc.strerror}") from None
     if chart_path is not None:
         chart(record, chart_path)
+    if readme_path is not None:
+        splice_readme(readme_path, table)
     return table
 
 
@@ -586,10 +639,11 @@ def _merge_main(argv: list[str]) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--markdown", type=Path)
     ap.add_argument("--chart", type=Path)
+    ap.add_argument("--readme", type=Path, help=f"refresh the table between {README_START} and {README_END}")
     args = ap.parse_args(argv)
     try:
         record = merge(args.inputs)
-        print(write_outputs(record, args.json, args.markdown, args.chart), end="")
+        print(write_outputs(record, args.json, args.markdown, args.chart, args.readme), end="")
     except CodegenError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return exc.exit_code

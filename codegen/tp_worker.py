@@ -48,7 +48,6 @@ import gc  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import statistics  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -388,6 +387,7 @@ class Reference:
         self.param_bytes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
         del model, out
         gc.collect()
+        _release_heap()
         self.baseline = (single_process_error(run, directory, ids, self)
                          if decode_steps and run.dtype != torch.float32 else None)
 
@@ -855,8 +855,19 @@ def run_job(run: Run, job: dict, defaults: dict, timings: dict) -> dict:
             else:
                 out[phase] = measure_built(phase, job, run, opts, ids, ref, timings)
         gc.collect()
+        _release_heap()
         timings[f"{name}/{phase}_s"] = time.perf_counter() - t
     return out
+
+
+def _release_heap() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them otherwise): the next job's models need them."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def measure_built(phase: str, job: dict, run: Run, opts: dict, ids, ref: Reference, timings: dict) -> dict:

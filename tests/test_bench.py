@@ -138,8 +138,8 @@ def test_a_stock_autotp_crash_is_recorded_and_the_others_run(smoke, family):
     table = markdown(record)
     (line,) = [line for line in table.splitlines() if line.startswith(f"| {family} (")]
     assert "| crash / " in line and "| –, – |" in line
-    assert f"- (a) {family} (tiny widths), transformers {record['machine']['transformers']}, float32, batch 1: " \
-           f"crashed: {STOCK_AUTOTP_CRASHES[family]}" in table
+    assert f"- (a) {family}, transformers {record['machine']['transformers']}: crashed: " \
+           f"{STOCK_AUTOTP_CRASHES[family]}" in table and "(tiny float32 batch 1)" in table
     assert f"{family}/b1/g0: (a) stock AutoTP: crashed ({STOCK_AUTOTP_CRASHES[family]}" in result.stderr
 
 
@@ -255,8 +255,12 @@ def test_markdown_table_of_the_recorded_runs():
     assert {row["family"] for row in rows} <= set(FAMILIES)
     assert sum(line.startswith("| ") and " (" in line.split("|")[1] for line in table.splitlines()) == len(rows)
     assert "decode tokens/s" in table and "b/d decode, prefill" in table and "Runs:" in table
-    # the committed table is this code's output on the committed runs
+    # the committed table is this code's output on the committed runs, and the README carries its main table
     assert table == (ROOT / "docs" / "bench" / "table.md").read_text()
+    from codegen.bench import README_END, README_START, results_table
+
+    readme = (ROOT / "README.md").read_text()
+    assert readme.split(README_START, 1)[1].split(README_END, 1)[0] == "\n" + results_table(table)
 
 
 def test_recorded_runs_pass_the_bench_checks():
@@ -305,3 +309,63 @@ def test_bad_tp_is_one_line():
     result = run_codegen("bench", "--smoke", "--tp", "1", timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().count("\n") == 0
+
+
+# ------------------------------------------------------------------ the pure parts: order, numerics, ratios
+
+
+@pytest.mark.parametrize("setups", [["stock", "codegen"], ["stock", "codegen", "native"]])
+def test_rotation_gives_every_setup_every_position_equally_often(setups):
+    """ABBA generalised: over 2n units each setup runs first, middle and last equally often, and each pair
+    of neighbours appears in both orders (order effects cancel)."""
+    from codegen.tp_worker import rotation
+
+    n = len(setups)
+    orders = [rotation(setups, k) for k in range(2 * n)]
+    assert all(sorted(o) == sorted(setups) for o in orders)
+    for position in range(n):
+        column = [o[position] for o in orders]
+        assert all(column.count(s) == 2 for s in setups), column
+    assert rotation(["stock", "codegen"], 0) == ["stock", "codegen"]
+    assert rotation(["stock", "codegen"], 1) == ["codegen", "stock"]
+
+
+def test_relative_error_and_greedy_agreement():
+    import torch
+
+    from codegen.tp_worker import _agree, _relative
+
+    ref = torch.tensor([[[1.0, -4.0, 2.0]], [[0.5, 0.1, 3.0]]])
+    assert _relative(ref + 0.04, ref) == pytest.approx(0.01)
+    moved = ref.clone()
+    moved[1, 0, 0] = 5.0  # row 1's greedy token changes
+    assert _agree(moved, ref) == (1, 2)
+
+
+def test_low_precision_limit_is_a_multiple_of_the_single_process_error():
+    from codegen.checks import LOW_PRECISION_FACTOR, ab_problems, low_precision_limit
+
+    single = {"prefill_relative": 0.004, "decode_relative": 0.006}
+    assert low_precision_limit(single) == pytest.approx(LOW_PRECISION_FACTOR * 0.006)
+    assert low_precision_limit(None) is None
+    b = {"allreduce_prefill_per_moe_layer": [1, 1], "allreduce_decode_per_moe_layer_mean": 1,
+         "allreduce_decode_per_moe_layer_min": 1, "allreduce_decode_per_moe_layer_max": 1,
+         "counts_same_on_all_ranks": True, "maxdiff_prefill": 0.3, "maxdiff_decode": 0.3,
+         "relative_prefill": 0.005, "relative_decode": 0.007}
+    row = {"moe_layers": 2, "dtype": "bfloat16", "codegen": b, "reference": {"single_process_error": single}}
+    assert ab_problems("x", row) == []  # 0.3 absolute would fail float32's 1e-5; bf16 is judged relatively
+    row["codegen"] = {**b, "relative_decode": 0.05}
+    (problem,) = ab_problems("x", row)
+    assert "5.00e-02 (relative) > 2.40e-02" in problem
+
+
+def test_ratios_are_b_over_the_other_setup_and_none_where_it_crashed():
+    from codegen.results import ratios, spread
+
+    def figures(ms: float, experts: int) -> dict:
+        return {"allreduce_prefill": 9, "allreduce_decode_step": spread([9.0]), "decode": spread([ms]),
+                "prefill": spread([10 * ms]), "param_bytes_per_rank": {"experts": experts, "rest": 5}}
+
+    r = ratios(figures(2.0, 50), figures(4.0, 100))
+    assert r["decode_median"] == r["prefill_median"] == r["expert_bytes"] == 0.5 and r["rest_bytes"] == 1.0
+    assert set(ratios(figures(2.0, 50), {"mode": "native", "crashed": "RuntimeError: x"}).values()) == {None}
