@@ -860,6 +860,19 @@ def run_job(run: Run, job: dict, defaults: dict, timings: dict) -> dict:
     return out
 
 
+def _remove_own_shm_buffer(rank: int) -> None:
+    """Unlink this rank's DeepSpeed shm buffer: os._exit skips the policy's atexit removal, and the stock
+    and native phases load no policy at all; every rank has passed the last collective."""
+    from codegen.policy_runtime import PolicyError, own_shm_buffer
+
+    try:
+        path = own_shm_buffer(rank)
+        if path:
+            os.unlink(path)
+    except (OSError, PolicyError):
+        pass
+
+
 def _release_heap() -> None:
     """Hand freed heap pages back to the OS (glibc keeps them otherwise): the next job's models need them."""
     try:
@@ -923,6 +936,7 @@ def _main(spec: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     Path(out, f"rank{run.rank}.json").write_text(json.dumps(record))
     dist.barrier()
+    _remove_own_shm_buffer(run.rank)
     # Python's teardown of torch / DeepSpeed takes seconds and does nothing for a finished rank
     sys.stdout.flush()
     sys.stderr.flush()

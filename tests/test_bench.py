@@ -20,10 +20,27 @@ STOCK_RUNS = [f for f in FAMILIES if f not in STOCK_AUTOTP_CRASHES]
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     """One smoke run shared by every test here (it starts real ranks: ~1-3 minutes on 2 cores)."""
+    import time
+
     out = tmp_path_factory.mktemp("bench")
+    started = time.time()
     result = run_codegen("bench", "--smoke", "--json", out / "bench.json", "--workdir", out / "work", timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
-    return out, result, json.loads((out / "bench.json").read_text())
+    record = json.loads((out / "bench.json").read_text())
+    record["_test_started"] = started
+    return out, result, record
+
+
+@pytest.mark.runtime
+def test_the_ranks_leave_no_shared_memory_buffer_behind(smoke):
+    """Every rank unlinks its DeepSpeed /dev/shm all-reduce buffer (66 MiB each) before it exits, whichever
+    setups it ran (stock and native load no policy; the worker's fast exit skips atexit)."""
+    from pathlib import Path
+
+    _, _, record = smoke
+    left = [p.name for p in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")
+            if p.stat().st_mtime >= record["_test_started"]]
+    assert left == []
 
 
 def _installed(name: str) -> str:
