@@ -495,41 +495,44 @@ def chart(record_or_merged: dict, path: Path) -> None:
     except ImportError:
         raise BadInput("--chart needs matplotlib: pip install matplotlib (or codegen[bench])") from None
     rows = [(rec, row) for rec, row in _rows(_records(record_or_merged)) if not row.get("not_run")]
-    labels = [f"{row['family']} {_size(row['size'])}\ntf {rec['machine']['transformers']}\n"
-              f"{'bf16' if row['dtype'] == 'bfloat16' else 'fp32'} b{row['batch']}" for rec, row in rows]
-    x = list(range(len(rows)))
-    w = 0.27
-    fig, grid = plt.subplots(4, 1, figsize=(max(12, 0.9 * len(rows) + 3), 15))
+    labels = [f"{row['family']} {_size(row['size'])}, tf {rec['machine']['transformers']}, "
+              f"{'bf16' if row['dtype'] == 'bfloat16' else 'fp32'}, batch {row['batch']}" for rec, row in rows]
+    y = list(range(len(rows)))
+    h = 0.27
+    fig, axes = plt.subplots(1, 4, figsize=(20, 1.6 + 0.32 * len(rows)), sharey=True)
     colours = {"stock": "#c44e52", "codegen": "#4c72b0", "native": "#55a868"}
     names = {"stock": "(a) stock AutoTP", "codegen": "(b) codegen", "native": "(d) transformers native TP"}
+
+    def relative(key: str):
+        return lambda f, b: f[key]["median"] / b[key]["median"]
+
     panels = [
-        ("decode tokens/s (higher is better)", lambda f: f["decode_tokens_per_s"], False),
-        ("decode step ms relative to (b) codegen (above 1: slower than codegen)", None, True),
-        ("all-reduces per MoE layer, decode", lambda f: f["allreduce_decode_per_moe_layer_mean"], True),
-        ("routed-expert MiB per rank", lambda f: f["param_bytes_per_rank"]["experts"] / 2**20, False),
+        ("decode step time / codegen's (log; > 1: slower than codegen)", relative("decode"), True),
+        ("prefill time / codegen's (log)", relative("prefill"), True),
+        ("all-reduces per MoE layer, decode (log)", lambda f, b: f["allreduce_decode_per_moe_layer_mean"], True),
+        ("routed-expert MiB per rank", lambda f, b: f["param_bytes_per_rank"]["experts"] / 2**20, False),
     ]
-    for ax, (title, value, log) in zip(grid, panels):
+    for ax, (title, value, log) in zip(axes, panels):
         for j, (mode, _) in enumerate(SETUP_ORDER):
-            heights = []
+            widths = []
             for _, row in rows:
                 f, b = _present(row, mode), _present(row, "codegen")
-                if f is None:
-                    heights.append(float("nan"))
-                elif value is None:
-                    heights.append(f["decode"]["median"] / b["decode"]["median"])
-                else:
-                    heights.append(value(f))
-            ax.bar([i + (j - 1) * w for i in x], heights, w, color=colours[mode], label=names[mode])
+                widths.append(float("nan") if f is None else value(f, b))
+            ax.barh([i + (j - 1) * h for i in y], widths, h, color=colours[mode], label=names[mode])
         if log:
-            ax.set_yscale("symlog", linthresh=1)
-        ax.set_title(title, fontsize=10)
-        ax.set_xticks(x)
-        ax.set_xticklabels(labels, fontsize=7)
-        ax.legend(fontsize=7)
+            ax.set_xscale("symlog" if "all-reduces" in title else "log", **({"linthresh": 1} if "all-reduces" in title else {}))
+        if "/ codegen" in title:
+            ax.axvline(1.0, color="black", linewidth=0.8)
+        ax.set_title(title, fontsize=9)
+        ax.tick_params(axis="x", labelsize=8)
+    axes[0].set_yticks(y)
+    axes[0].set_yticklabels(labels, fontsize=7)
+    axes[0].invert_yaxis()
+    axes[0].legend(fontsize=7, loc="lower right")
     first = _records(record_or_merged)[0]
     fig.suptitle(f"codegen bench: TP={first['tp']} on {first['device'].upper()}, {first['machine']['cpu']}, "
                  f"{first['machine']['cores']} cores (missing bar: crashed or not run)", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.98))
     try:
         fig.savefig(path, dpi=100)
     except OSError as exc:

@@ -7,8 +7,10 @@ Every runtime command returns (and `--json` writes) one record:
      "families": {family: entry}, "problems": [one line each], "ok": bool, "wall_s"}
 
 `entry` holds the figures of that family's model dir: for verify the per-rank figures of each phase
-({"dir", "no-policy": [...], "codegen": [...], "stock": [...]}), for bench and demo the ab phase
-summarised over ranks (summarise_ab). `problems` comes from codegen.checks; `ok` is `not problems`.
+({"dir", "no-policy": [...], "codegen": [...], "stock": [...]}), for the demo the ab phase summarised
+over ranks (summarise_ab). The bench has several batches per family: it writes "rows" (one
+summarise_ab entry per family and batch, with "family", "size", "batch", "dtype") instead of
+"families". `problems` comes from codegen.checks; `ok` is `not problems`.
 
 Stock AutoTP is a comparison, never pass/fail: where it crashed, its figures are
 {"mode": "stock", "crashed": "<ExceptionType>: <first line>"} (per rank in verify, once in the ab

@@ -8,10 +8,13 @@ unpatched dir, fp32, unsharded, computed once per job):
              exactly and reduce nothing (list it before any policy phase)
   codegen    the patched dir under its generated autotp_policy.py
   stock      stock `deepspeed.init_inference` (AutoTP) on the reference dir
-  ab         the bench's phase: stock (a) and codegen (b) loaded side by side, every timed unit (a
-             prefill, a decode step) run a then b or b then a (ABBA), each after a barrier; decode
-             steps are fed the reference's greedy tokens (teacher forcing) so a and b decode the same
-             sequence; per unit: time, all-reduces, all-reduces per MoE block, logits vs reference
+  ab         the bench's phase: the job's setups (stock (a), codegen (b), transformers' native TP
+             (d), `options.setups`) loaded side by side, every timed unit (a prefill, a decode step)
+             run by each in a rotating order (ABBA generalised), each after a barrier; decode steps
+             are fed the reference's greedy tokens (teacher forcing) so all decode the same sequence;
+             per unit: time, all-reduces and other collectives (per MoE block too), logits vs the
+             float32 reference (absolute and relative) and greedy agreement; at a 16-bit dtype the
+             reference also measures the unsharded model's own error at that dtype (the yardstick)
 
 no-policy / codegen / stock measure one forward: all-reduce calls counted twice, independently: at the
 Python entry points (deepspeed.comm `all_reduce` / `inference_all_reduce`, the comm backend's methods,
