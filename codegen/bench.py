@@ -204,13 +204,12 @@ def run_bench(kind: str, device: str, tp: int, workdir: Path | None, progress: P
         found = [p for row in rows if not row.get("not_run") for p in ab_problems(_row_name(row), row, tolerance)]
         record = result_record(
             "bench", kind, device=device, tp=tp, world_size=tp, dtype=dtype, tolerance=tolerance,
-            settings={k: v for k, v in settings.items() if k != "timeout"}, families={}, problems=found,
+            settings={k: v for k, v in settings.items() if k != "timeout"}, families=None, problems=found,
             wall_s=time.monotonic() - started, method=METHOD, deepspeed_cpu_op_compiled_during_run=compiled,
             patch_timing={"startup_baseline_s": baseline, "families": trials,
                           "median_s": {f: statistics.median(t) for f, t in trials.items()}},
             rows=rows,
         )
-        del record["families"]
         record["machine"].update({"loadavg_1min_before_ranks": load_start, "loadavg_1min_after_ranks": load_end},
                                  **({"gpu": ranks[0]["gpu"]} if "gpu" in ranks[0] else {}))
         if workdir is not None:
@@ -232,21 +231,16 @@ def _size(size: str) -> str:
 
 _ESTIMATE = """
 import json, sys, tempfile
-import torch, transformers
+import transformers
 from codegen.examples import SHAPES
 from codegen.families import FAMILIES
-from codegen.memory import FUSED, parameter_bytes
+from codegen.memory import parameter_bytes
 size, dtype, families = sys.argv[1], sys.argv[2], sys.argv[3:]
 out = {}
 for family in families:
-    config = getattr(transformers, FAMILIES[family].config_class)(**SHAPES[size][family])
     with tempfile.TemporaryDirectory() as tmp:
-        config.save_pretrained(tmp)
+        getattr(transformers, FAMILIES[family].config_class)(**SHAPES[size][family]).save_pretrained(tmp)
         out[family] = parameter_bytes(tmp, dtype)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    # fused 3-D experts: what stock AutoTP leaves whole on every rank
-    out[family]["fused"] = any(name.rsplit(".", 1)[-1] in FUSED for name, _ in model.named_parameters())
 print(json.dumps({"transformers": transformers.__version__, "families": out}))
 """
 
@@ -270,7 +264,7 @@ def memory_plan(kind: str, families: tuple[str, ...], tp: int, dtype: str, progr
     plans = {}
     for family in families:
         parts = estimate["families"][family]
-        replicated = parts["fused"]
+        replicated = parts["fused"]  # stock AutoTP leaves fused 3-D experts whole on every rank
         everything = memory.plan(parts, tp, list(settings["setups"]), replicated)
         groups = (tuple(settings["setups"]),)
         chosen = everything

@@ -50,8 +50,8 @@ def build_examples(families: tuple[str, ...], size: str, root: Path, progress: P
     build = subprocess.run(
         [sys.executable, "-c",
          "import sys; from pathlib import Path; from codegen.examples import build_example\n"
-         "extra = {} if sys.argv[3] == 'float32' else {'dtype': sys.argv[3]}\n"
-         "for fam in sys.argv[4:]: build_example(fam, Path(sys.argv[1]) / fam / 'unpatched', size=sys.argv[2], **extra)",
+         "for fam in sys.argv[4:]:\n"
+         "    build_example(fam, Path(sys.argv[1]) / fam / 'unpatched', size=sys.argv[2], dtype=sys.argv[3])",
          str(root), size, dtype, *families],
         capture_output=True, text=True, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"},
     )

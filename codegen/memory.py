@@ -62,7 +62,7 @@ def _kept_in_float32(model, dtype: str) -> re.Pattern | None:
 
 
 def parameter_bytes(config_dir: Path, dtype: str) -> dict:
-    """Bytes of the model's Parameters at `dtype`: {"experts", "rest", "total", "float32_total"}.
+    """Bytes of the model's Parameters at `dtype`: {"experts", "rest", "total", "float32_total", "fused"}.
 
     Built on the meta device from config.json alone (the dir's own code when it names some: a patched dir
     loads its patched classes, as the bench will), so a multi-GB checkpoint costs nothing to measure.
@@ -84,8 +84,10 @@ def parameter_bytes(config_dir: Path, dtype: str) -> dict:
             experts += param.numel() * width
         else:
             rest += param.numel() * width
+    # fused 3-D experts: what stock AutoTP leaves whole on every rank (its memory plan counts them whole)
+    fused = any(name.rsplit(".", 1)[-1] in FUSED for name, _ in model.named_parameters())
     return {"experts": experts, "rest": rest, "total": experts + rest,
-            "float32_total": elements * DTYPE_BYTES["float32"]}
+            "float32_total": elements * DTYPE_BYTES["float32"], "fused": fused}
 
 
 def available_bytes() -> int:

@@ -33,8 +33,9 @@ RATIOS = ("allreduce_prefill", "allreduce_decode_step", "decode_median", "prefil
 
 
 def record(command: str, kind: str, *, device: str, tp: int, world_size: int, dtype: str, tolerance: float | None,
-           settings: dict, families: dict, problems: list[str], wall_s: float, **extra) -> dict:
-    return {
+           settings: dict, families: dict | None, problems: list[str], wall_s: float, **extra) -> dict:
+    """The record; `families` None leaves the key out (the bench writes "rows" instead)."""
+    out = {
         "schema": SCHEMA,
         "tool": f"codegen {__version__} {command}",
         "command": command,
@@ -52,6 +53,9 @@ def record(command: str, kind: str, *, device: str, tp: int, world_size: int, dt
         "ok": not problems,
         "wall_s": wall_s,
     }
+    if families is None:
+        del out["families"]
+    return out
 
 
 def machine_info(device: str) -> dict:
