@@ -1,7 +1,9 @@
-"""`python -m codegen`: patch / revert / verify / bench / demo. Behaves like black: idempotent, --check, --diff.
+"""`python -m codegen`: the one command line. patch / revert (like black: idempotent, --check, --diff), verify /
+bench / demo (the harness), shm (left-behind DeepSpeed buffers), regression (developers), and the hidden
+`_worker` the launcher starts each rank with.
 
-This module only parses arguments and prints results: the work is in codegen.api (patch / check / diff /
-revert) and in the harness modules, imported when their subcommand runs. Every expected failure is one line
+This module only parses arguments and prints results: the work is in codegen.patch.api (patch / check / diff /
+revert), the harness, the policy and the regression matrix, imported when their subcommand runs. Every expected failure is one line
 on stderr and a documented exit code (codegen.errors.TABLE); an unexpected one is still one line, with exit
 code 70 and `--debug` to see the traceback. A subcommand is a `_add_<name>(sub)` parser plus an entry in
 COMMANDS.
@@ -10,6 +12,7 @@ COMMANDS.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -116,6 +119,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--workdir", type=Path)
     p.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
                    help="combine `bench --json` records (one per environment) instead of running")
+    p.add_argument("--readme", type=Path, metavar="README",
+                   help="with --merge: refresh the results table in this README (between its bench-table markers)")
     _debug_flag(p, top=False)
 
 
@@ -126,9 +131,38 @@ def _add_demo(sub) -> None:
 
 
 def _add_shm(sub) -> None:
-    from codegen import shm
+    from codegen.policy.shm import GRACE_S
 
-    _debug_flag(shm.add_parser(sub), top=False)
+    p = sub.add_parser("shm", help="list (or --clean) DeepSpeed all-reduce buffers left in /dev/shm",
+                       description="DeepSpeed's CPU all-reduce buffers that earlier runs left in /dev/shm, one line "
+                                   "each with size and age.", epilog="exit codes: 0 listed / cleaned; 4 a buffer "
+                                   "that should go could not be removed")
+    p.add_argument("--clean", action="store_true",
+                   help=f"remove the buffers no live process maps (older than {GRACE_S:.0f}s)")
+    p.add_argument("--dir", default=None, help="where DeepSpeed puts them (default: /dev/shm)")
+    _debug_flag(p, top=False)
+
+
+def _add_regression(sub) -> None:
+    p = sub.add_parser("regression", help="developers: the rewrite of pinned upstream sources vs generated/",
+                       description="check: exit 1 and print the diff of diffs if generated/ drifted; regenerate: "
+                                   "rewrite generated/ (review and commit its diff); fetch: fill the wheel cache")
+    p.add_argument("action", choices=("check", "regenerate", "fetch"))
+    p.add_argument("--cache", type=Path, help="wheel cache dir (default: $CODEGEN_UPSTREAM_CACHE or "
+                                              "~/.cache/codegen/upstream)")
+    _debug_flag(p, top=False)
+
+
+def _add_worker(sub) -> None:
+    # internal: one rank of a launch (codegen.harness.launcher starts it); hidden from --help
+    p = sub.add_parser(WORKER)
+    p.add_argument("--spec", required=True, type=Path)
+    p.add_argument("--out", required=True, type=Path)
+    _debug_flag(p, top=False)
+
+
+#: the hidden subcommand the launcher starts each rank with
+WORKER = "_worker"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -140,8 +174,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"codegen {__version__}")
     _debug_flag(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_patch, _add_revert, _add_verify, _add_bench, _add_demo, _add_shm):
+    for add in (_add_patch, _add_revert, _add_verify, _add_bench, _add_demo, _add_shm, _add_regression, _add_worker):
         add(sub)
+    # hidden subcommands stay out of the usage line and the command list
+    sub._choices_actions = [a for a in sub._choices_actions if a.dest != WORKER]
     return parser
 
 
@@ -163,7 +199,7 @@ def _warn(message: str) -> None:
 
 
 def cmd_patch(args: argparse.Namespace) -> int:
-    from codegen import api
+    from codegen.patch import api
 
     if args.out is not None and (args.check or args.diff):
         raise errors.BadInput("--out cannot be combined with --check or --diff")
@@ -195,44 +231,143 @@ def cmd_patch(args: argparse.Namespace) -> int:
 
 
 def cmd_revert(args: argparse.Namespace) -> int:
-    from codegen import api
+    from codegen.patch import api
 
     result = api.revert(args.model_dir, force=args.force)
     _say(args, result.summary)
     return errors.OK
 
 
-def _cmd_verify(args: argparse.Namespace) -> int:
-    from codegen.verify import cmd_verify
+def cmd_verify(args: argparse.Namespace) -> int:
+    from codegen.harness.prepare import check_runtime_installed
+    from codegen.harness.verify import format_report, ok_line, verify_dirs
 
-    return cmd_verify(args)
+    if args.tp < 1:
+        raise errors.BadInput("--tp must be a positive integer")
+    if args.world is not None and (args.world < args.tp or args.world % args.tp):
+        raise errors.BadInput(f"--world {args.world} must be a multiple of --tp {args.tp}")
+    for model_dir in args.model_dir:
+        if not (model_dir / "config.json").is_file():
+            raise errors.BadInput(f"{model_dir}: no config.json: point verify at a patched model dir")
+    check_runtime_installed("verify")
+    records = verify_dirs(args.model_dir, args.tp, args.world, args.timeout)
+    for model_dir, record in zip(args.model_dir, records):
+        print(format_report(model_dir, record))
+    if args.json:
+        _write(args.json, json.dumps(records[0] if len(records) == 1 else records, indent=2))
+    failed = [(d, r) for d, r in zip(args.model_dir, records) if r["problems"]]
+    for model_dir, record in failed:
+        for p in record["problems"]:
+            print(f"FAIL {p}" if len(args.model_dir) == 1 else f"FAIL {model_dir}: {p}", file=sys.stderr)
+    if failed:
+        count = sum(len(r["problems"]) for _, r in failed)
+        raise errors.VerifyFailed(f"{count} check(s) failed for {', '.join(str(d) for d, _ in failed)}")
+    print(ok_line(args.tp))
+    return errors.OK
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from codegen.bench import cmd_bench
+def cmd_bench(args: argparse.Namespace) -> int:
+    from codegen.harness import report
 
-    return cmd_bench(args)
+    if args.merge:
+        record = report.merge(list(args.merge))
+        print(report.write_outputs(record, args.json, args.markdown, args.chart, args.readme), end="")
+        return errors.OK
+    if args.readme is not None:
+        raise errors.BadInput("--readme refreshes the README from merged records: use it with --merge")
+    if args.tp < 2:
+        raise errors.BadInput("--tp must be at least 2 (the benchmark compares tensor-parallel runs)")
+    from codegen.harness.bench import run_bench
+    from codegen.harness.prepare import Progress, check_device, check_runtime_installed
+
+    check_runtime_installed("the benchmark")
+    check_device(args.device, args.tp)
+    if args.device == "cpu" and args.tp > (os.cpu_count() or 1) * 4:
+        raise errors.BadInput(f"--tp {args.tp} is far more ranks than this machine's {os.cpu_count()} cores")
+    progress = Progress()
+    kind = "smoke" if args.smoke else args.size
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    record = run_bench(kind, args.device, args.tp, args.workdir, progress, dtype=dtype)
+    print(report.write_outputs(record, args.json, args.markdown, args.chart), end="")
+    for p in record["problems"]:
+        print(f"FAIL {p}", file=sys.stderr)
+    if record["problems"]:
+        raise errors.VerifyFailed(f"{len(record['problems'])} benchmark check(s) failed (figures written anyway)")
+    progress(f"done: {kind} benchmark, {len(record['rows'])} rows, wall {record['wall_s']:.0f}s")
+    return errors.OK
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from codegen.demo import cmd_demo
+def cmd_demo(args: argparse.Namespace) -> int:
+    import tempfile
 
-    return cmd_demo(args)
+    from codegen.harness import demo
+    from codegen.harness.prepare import Progress, check_runtime_installed, make_workdir
+
+    check_runtime_installed("the demo")
+    progress = Progress()
+    with tempfile.TemporaryDirectory(prefix="codegen-demo-") as tmp:
+        root = make_workdir(args.workdir, "codegen-demo-") if args.workdir is not None else Path(tmp)
+        record = demo.run_demo(root, progress)
+        print(demo.render(record))
+        for line in record["problems"]:
+            print(f"FAIL {line}", file=sys.stderr)
+        if record["problems"]:
+            raise errors.VerifyFailed(f"demo: {len(record['problems'])} check(s) failed")
+        print(demo.ok_line())
+        progress(f"done in {progress.elapsed():.0f}s" + (f"; the example dirs are in {root}" if args.workdir else ""))
+    return errors.OK
 
 
-def _cmd_shm(args: argparse.Namespace) -> int:
-    from codegen import shm
+def cmd_shm(args: argparse.Namespace) -> int:
+    from codegen.policy import shm
 
-    return shm.run(args)
+    return shm.run(args.dir, args.clean)
+
+
+def cmd_regression(args: argparse.Namespace) -> int:
+    from codegen import regression
+
+    if args.action == "fetch":
+        for release in regression.RELEASES:
+            print(regression.fetch_wheel(release, args.cache))
+        return errors.OK
+    if args.action == "check":
+        text = regression.drift(args.cache)
+        if text:
+            sys.stdout.write(text)
+            print(f"generated/ is out of date: run `{regression.REGENERATE}` and review the diff", file=sys.stderr)
+            return errors.WOULD_CHANGE
+        print(f"generated/ is up to date ({len(regression.MATRIX)} sources)", file=sys.stderr)
+        return errors.OK
+    changed = regression.regenerate(args.cache)
+    for name in changed:
+        print(f"wrote {name}" if (regression.ROOT / name).exists() else f"deleted {name}")
+    print(f"{len(changed)} file(s) changed in generated/; review them with `git diff generated/`", file=sys.stderr)
+    return errors.OK
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from codegen.harness.worker.main import main as worker_main
+
+    return worker_main(args.spec, args.out)
+
+
+def _write(path: Path, text: str) -> None:
+    try:
+        path.write_text(text)
+    except OSError as exc:
+        raise errors.IOFailure(f"cannot write {path}: {exc.strerror}") from None
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "patch": cmd_patch,
     "revert": cmd_revert,
-    "verify": _cmd_verify,
-    "bench": _cmd_bench,
-    "demo": _cmd_demo,
-    "shm": _cmd_shm,
+    "verify": cmd_verify,
+    "bench": cmd_bench,
+    "demo": cmd_demo,
+    "shm": cmd_shm,
+    "regression": cmd_regression,
+    WORKER: cmd_worker,
 }
 
 

@@ -1,7 +1,7 @@
 """Per-family knowledge, as data: one table a reader can scan, fed to one generic rewriter, policy and harness.
 
 This is the only module that names a model type, a class, an attribute or a config key of a family.
-The rewriter (codegen.rewrite), the generated AutoTP policy (its header is rendered from
+The rewriter (codegen.patch.rewrite), the generated AutoTP policy (its header is rendered from
 `Family.policy_layout()`), the rank worker, the examples, the bench and the tests all read from here,
 so supporting a new family is a reviewed row of this table plus, at most, a new anchor or layout kind
 that every family can use. Every field drives behaviour; nothing here is only for show.
@@ -9,12 +9,14 @@ that every family can use. Every field drives behaviour; nothing here is only fo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+
+from codegen.policy.runtime.base import FUSED_GATE_UP_INTERLEAVED_COLS, FUSED_GATE_UP_ROWS
 
 #: The config.json key `patch` writes; the generated policy reads it. Off = stock DeepSpeed behaviour.
 KNOB = "codegen_coalesce_moe_all_reduce"
 
-#: Anchor kinds (codegen.rewrite): where the one reduction goes in the MoE block's forward.
+#: Anchor kinds (codegen.patch.rewrite): where the one reduction goes in the MoE block's forward.
 #: "shared_sum": after the statement that adds the shared expert output to the routed experts' sum.
 ANCHOR_SHARED_SUM = "shared_sum"
 #: "routed_final": no shared expert, the routed experts' output is the block's output: after the statement
@@ -25,14 +27,17 @@ ANCHOR_ROUTED_FINAL = "routed_final"
 #: returned sum itself is reduced, `return _codegen_moe_all_reduce(self, routed + shared)`.
 ANCHOR_RETURNED_SUM = "returned_sum"
 
-#: Fused (transformers 5.x) expert layouts (codegen.policy_runtime shards each one).
-#: "gate_up_rows": gate_up [E, 2I, H], gate rows then up rows; down [E, H, I].
-FUSED_GATE_UP_ROWS = "gate_up_rows"
-#: "gate_up_interleaved_cols": transposed, gate_up [E, H, 2I] with gate/up interleaved along the last dim
-#: (gate = [..., ::2], up = [..., 1::2]; a rank keeps whole gate/up pairs); down [E, I, H] (shard dim 1);
-#: optional biases gate_up_bias [E, 2I] (interleaved like the columns: shard with them) and down_bias [E, H]
-#: (added inside every expert before the weighting: it must count once over the ranks, not once per rank).
-FUSED_GATE_UP_INTERLEAVED_COLS = "gate_up_interleaved_cols"
+#: Fused (transformers 5.x) expert layouts are named by the policy runtime, which shards each
+#: (codegen.policy.runtime.base): FUSED_GATE_UP_ROWS, gate_up [E, 2I, H] (gate rows then up rows), down
+#: [E, H, I]; FUSED_GATE_UP_INTERLEAVED_COLS, transposed, gate_up [E, H, 2I] with gate/up interleaved along the
+#: last dim (a rank keeps whole gate/up pairs), down [E, I, H], optional biases gate_up_bias [E, 2I] (split with
+#: the columns) and down_bias [E, H] (added inside every expert before the weighting: counted once over the ranks).
+
+#: Example shapes at the published widths keep two decoder layers and a small vocabulary (positions cost nothing:
+#: rotary tables are computed per call); per-layer lists are cut to the layers kept
+FULL_WIDTH_CAPS = dict(num_hidden_layers=2, vocab_size=4096, max_position_embeddings=1024, tie_word_embeddings=False)
+#: routing switches a full-width example takes from the published config besides the keys of its tiny example
+PUBLISHED_ROUTING_KEYS = ("norm_topk_prob",)
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,37 @@ class QuantizedForm:
 
 
 @dataclass(frozen=True)
+class Examples:
+    """The family's example checkpoints (codegen.harness.examples builds them with random weights).
+
+    `tiny`: what tests and the demo use (a few KB); `toy`: the bench's scaled-down shape of a real checkpoint's
+    routing; the full-width shape is derived from `published`, the project's copy of a real checkpoint's
+    config (codegen/harness/published/), with two decoder layers and a small vocabulary (FULL_WIDTH_CAPS),
+    then `full_overrides`.
+    """
+
+    tiny: dict
+    toy: dict | None = None
+    published: str = ""
+    full_overrides: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StockAutoTP:
+    """What stock DeepSpeed AutoTP (`deepspeed.init_inference(tensor_parallel=...)`) does to the unpatched
+    family, as measured (a comparison, never what codegen is judged by)."""
+
+    #: the start of the line it crashes with on its first forward ("" = it runs)
+    crash: str = ""
+    #: why, in a few words
+    why: str = ""
+
+
+#: a field that does not shape what `patch` writes (codegen.patch.plan's fingerprint leaves it out)
+_NOT_OUTPUT = {"output": False}
+
+
+@dataclass(frozen=True)
 class Family:
     """One MoE family: every name codegen needs to rewrite, shard and check it."""
 
@@ -120,10 +156,12 @@ class Family:
     #: decoder-layer attributes that hold the MoE block, any generation (the first is the 5.x name)
     moe_block_attrs: tuple[str, ...] = ("mlp",)
     #: quantized forms this family ships (`quantization_config.quant_method`) that a patched dir loads exactly only
-    #: from some transformers release on; `patch` refuses them below it (codegen.quantization)
+    #: from some transformers release on; `patch` refuses them below it (codegen.patch.quantization)
     quantized_forms: tuple[QuantizedForm, ...] = ()
+    #: decoder-layer attributes holding an attention block, of any kind the family has
+    attention_attrs: tuple[str, ...] = ("self_attn",)
     #: what the bench and README call the bench-sized example of this family
-    bench_label: str = ""
+    bench_label: str = field(default="", metadata=_NOT_OUTPUT)
     #: transformers releases whose source the regression matrix covers (also quoted in errors)
     known_good: tuple[str, ...] = field(default=())
     #: hub-style remote code of this family the regression matrix covers: fixture dirs under tests/fixtures/
@@ -139,6 +177,14 @@ class Family:
     sparse_step_key: str | None = None
     first_dense_key: str | None = None
     moe_freq_key: str | None = None
+    #: example checkpoints of the family (tests, demo, bench)
+    examples: Examples | None = field(default=None, metadata=_NOT_OUTPUT)
+    #: what stock DeepSpeed AutoTP does to it
+    stock_autotp: StockAutoTP = field(default=StockAutoTP(), metadata=_NOT_OUTPUT)
+
+    def output_data(self) -> dict:
+        """The fields that shape what `patch` writes, as plain data (the patch fingerprint hashes them)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("output", True)}
 
     @property
     def releases(self) -> tuple[str, ...]:
@@ -150,7 +196,7 @@ class Family:
         return self.builtin_module.rsplit(".", 1)[-1]
 
     def policy_layout(self) -> dict:
-        """The plain data the generated policy's header carries (codegen.policy_runtime reads only this)."""
+        """The plain data the generated policy's header carries (codegen.policy.runtime reads only this)."""
         return {
             "family": self.model_type,
             "moe_classes": list(self.moe_classes),
@@ -194,6 +240,21 @@ FAMILIES: dict[str, Family] = {
         known_good=("4.45.2", "4.51.3", "4.54.1", "4.55.4", "4.57.6", "5.0.0", "5.24.0"),
         dense_layers_key="mlp_only_layers",
         sparse_step_key="decoder_sparse_step",
+        examples=Examples(
+            tiny=dict(
+                vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, max_position_embeddings=256,
+                tie_word_embeddings=False,
+            ),
+            toy=dict(
+                vocab_size=4096, hidden_size=512, intermediate_size=1408, moe_intermediate_size=128,
+                shared_expert_intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                num_key_value_heads=8, num_experts=60, num_experts_per_tok=4, max_position_embeddings=1024,
+                norm_topk_prob=False, tie_word_embeddings=False,
+            ),
+            published="qwen1.5-moe-a2.7b.json",
+        ),
     ),
     "deepseek_v2": Family(
         model_type="deepseek_v2",
@@ -219,6 +280,23 @@ FAMILIES: dict[str, Family] = {
         remote_code_fixtures=("hub_deepseek",),
         first_dense_key="first_k_dense_replace",
         moe_freq_key="moe_layer_freq",
+        examples=Examples(
+            tiny=dict(
+                vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
+                num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16,
+                qk_nope_head_dim=16, first_k_dense_replace=1, max_position_embeddings=256, topk_method="greedy",
+                n_group=1, topk_group=1, tie_word_embeddings=False,
+            ),
+            toy=dict(
+                vocab_size=4096, hidden_size=512, intermediate_size=1408, moe_intermediate_size=128,
+                num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, n_routed_experts=64,
+                n_shared_experts=2, num_experts_per_tok=6, kv_lora_rank=128, q_lora_rank=None, qk_rope_head_dim=32,
+                v_head_dim=64, qk_nope_head_dim=64, first_k_dense_replace=1, max_position_embeddings=1024,
+                topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=False, tie_word_embeddings=False,
+            ),
+            published="deepseek-v2-lite.json",
+        ),
     ),
     "qwen3_moe": Family(
         model_type="qwen3_moe",
@@ -244,6 +322,19 @@ FAMILIES: dict[str, Family] = {
         relatives=("qwen3_next", "qwen3_vl_moe", "qwen3_omni_moe"),
         dense_layers_key="mlp_only_layers",
         sparse_step_key="decoder_sparse_step",
+        examples=Examples(
+            tiny=dict(
+                vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                max_position_embeddings=256, tie_word_embeddings=False,
+            ),
+            toy=dict(
+                vocab_size=4096, hidden_size=512, intermediate_size=1408, moe_intermediate_size=128,
+                num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=128,
+                num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=1024, tie_word_embeddings=False,
+            ),
+            published="qwen3-30b-a3b.json",
+        ),
     ),
     "mixtral": Family(
         model_type="mixtral",
@@ -266,6 +357,13 @@ FAMILIES: dict[str, Family] = {
         bench_label="Mixtral-8x7B-like",
         known_good=("4.36.2", "4.45.2", "4.51.3", "4.54.1", "4.55.4", "4.57.6", "5.0.0", "5.24.0"),
         relatives=("minimax", "phimoe"),
+        examples=Examples(
+            tiny=dict(
+                vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=256,
+                tie_word_embeddings=False,
+            ),
+        ),
     ),
     "deepseek_v3": Family(
         model_type="deepseek_v3",
@@ -290,6 +388,15 @@ FAMILIES: dict[str, Family] = {
         known_good=("4.51.3", "4.54.1", "4.55.4", "4.57.6", "5.0.0", "5.24.0"),
         relatives=("longcat_flash",),
         first_dense_key="first_k_dense_replace",
+        examples=Examples(
+            tiny=dict(
+                vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
+                num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16,
+                qk_nope_head_dim=16, first_k_dense_replace=1, n_group=2, topk_group=1, max_position_embeddings=256,
+                tie_word_embeddings=False,
+            ),
+        ),
     ),
     "glm4_moe": Family(
         model_type="glm4_moe",
@@ -313,6 +420,14 @@ FAMILIES: dict[str, Family] = {
         known_good=("4.54.1", "4.55.4", "4.57.6", "5.0.0", "5.24.0"),
         relatives=("glm4v_moe", "glm4_moe_lite"),
         first_dense_key="first_k_dense_replace",
+        examples=Examples(
+            tiny=dict(
+                vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=8, n_shared_experts=1,
+                num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=256,
+                tie_word_embeddings=False,
+            ),
+        ),
     ),
     "gpt_oss": Family(
         model_type="gpt_oss",
@@ -344,6 +459,24 @@ FAMILIES: dict[str, Family] = {
         ),
         bench_label="gpt-oss-20b-like",
         known_good=("4.55.4", "4.57.6", "5.0.0", "5.24.0"),
+        examples=Examples(
+            tiny=dict(
+                vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+                layer_types=["sliding_attention", "full_attention"], sliding_window=8, max_position_embeddings=256,
+                tie_word_embeddings=False,
+            ),
+            toy=dict(
+                vocab_size=4096, hidden_size=512, intermediate_size=128, num_hidden_layers=4, num_attention_heads=16,
+                num_key_value_heads=4, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+                layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=128,
+                max_position_embeddings=131072, tie_word_embeddings=False,  # = the default YaRN factor x 4096
+            ),
+            published="gpt-oss-20b.json",
+            full_overrides=dict(max_position_embeddings=131072),  # = the default YaRN factor x 4096
+        ),
+        stock_autotp=StockAutoTP(crash="RuntimeError: Sizes of tensors must match",
+                                 why="attention sinks are not sharded with the heads"),
     ),
 }
 

@@ -1,24 +1,39 @@
 #!/usr/bin/env bash
 # The test command (README, CI): both pinned environments, real processes, real DeepSpeed.
-#   transformers latest (constraints/latest.txt): the whole suite;
-#   transformers 4.57.6: everything whose answer depends on the installed transformers (loader, runtime,
-#   CLI, and the regression test that reads the installed sources). The rest of the regression matrix
-#   reads pinned wheels only, and the `once` tests exercise the harness itself: both run in the first env.
-#   DeepSpeed 0.16.9 (the oldest the policy supports, constraints/deepspeed-oldest.txt) on 4.57.6: the policy
-#   runtime, its TP runs on real ranks and the shared-memory cleanup.
+#   bash scripts/test.sh          everything, as CI runs it:
+#     transformers latest (constraints/latest.txt): the whole suite;
+#     transformers 4.57.6: everything whose answer depends on the installed transformers (loader, runtime, CLI, and
+#       the regression test that reads the installed sources); the rest of the regression matrix reads pinned wheels
+#       only, and the `once` tests exercise the harness itself: both run in the first env;
+#     DeepSpeed 0.16.9 (the oldest the policy supports, constraints/deepspeed-oldest.txt) on 4.57.6: the policy runtime,
+#       its TP runs on real ranks and the shared-memory cleanup.
+#   bash scripts/test.sh --fast   the fast tier, for checking a change: every test that launches no ranks and starts
+#     no process, in the latest environment (.venv, set up by a first full run), on 2 workers (under a minute).
+# In each environment the tests that start no ranks run on 2 pytest-xdist workers; the rank launches run one at a
+# time afterwards (two DeepSpeed CPU jobs at once on one host crash each other's runs).
 # Caches shared by every clone (~/.cache/codegen, or $CODEGEN_CACHE): the pinned upstream wheels
-# (codegen.upstream) and DeepSpeed's JIT-built CPU all-reduce (codegen.runtime.preload_shm_op).
+# (codegen.regression) and DeepSpeed's JIT-built CPU all-reduce (codegen.harness.opcache).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONDONTWRITEBYTECODE=1
+pytest() { local venv=$1; shift; "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"; }
+parallel=(-n 2 --dist loadgroup)
+if [[ ${1:-} == --fast ]]; then
+    shift
+    [[ -x .venv/bin/python ]] || bash scripts/setup.sh .venv constraints/latest.txt
+    pytest .venv "${parallel[@]}" -m "not runtime and not cli and not process" "$@"
+    exit
+fi
 bash scripts/setup.sh .venv constraints/latest.txt
 bash scripts/setup.sh .venv-tf4 constraints/transformers-4.57.6.txt
 bash scripts/setup.sh .venv-ds-oldest constraints/deepspeed-oldest.txt
-export PYTHONDONTWRITEBYTECODE=1
-echo "== transformers $(.venv/bin/python -c 'import transformers; print(transformers.__version__)'): full suite"
-.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "$@"
-echo "== transformers $(.venv-tf4/bin/python -c 'import transformers; print(transformers.__version__)'): loader, runtime, CLI, installed sources"
-.venv-tf4/bin/python -m pytest -q -p no:cacheprovider --durations=15 \
-    -m "(loader or runtime or cli or installed_transformers) and not once" "$@"
-echo "== deepspeed $(.venv-ds-oldest/bin/python -c 'from importlib.metadata import version; print(version("deepspeed"))') (oldest supported), transformers 4.57.6: policy runtime, TP runs, shm cleanup"
-.venv-ds-oldest/bin/python -m pytest -q -p no:cacheprovider --durations=5 \
-    tests/test_runtime.py tests/test_policy_runtime.py tests/test_shm.py -m "not once" "$@"
+version() { "$1/bin/python" -c "from importlib.metadata import version; print(version('$2'))"; }
+echo "== transformers $(version .venv transformers): the suite, then its rank launches"
+pytest .venv "${parallel[@]}" --durations=10 -m "not runtime" "$@"
+pytest .venv --durations=10 -m "runtime" "$@"
+echo "== transformers $(version .venv-tf4 transformers): loader, runtime, CLI, installed sources"
+selected="(loader or cli or installed_transformers) and not once"
+pytest .venv-tf4 "${parallel[@]}" --durations=5 -m "($selected) and not runtime" "$@"
+pytest .venv-tf4 --durations=5 -m "runtime and not once" "$@"
+echo "== deepspeed $(version .venv-ds-oldest deepspeed) (oldest supported), transformers 4.57.6: policy runtime, TP runs, shm cleanup"
+pytest .venv-ds-oldest --durations=5 tests/test_runtime.py tests/test_policy_runtime.py tests/test_shm.py -m "not once" "$@"

@@ -15,9 +15,11 @@ ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
 #: every family of the table (codegen.families), in table order
 FAMILIES = tuple(_TABLE)
+#: hub-style remote code fixtures of the table's families (tests/fixtures/<name>), and the family each is of
+REMOTE_CODE_FIXTURES = {fixture: name for name, family in _TABLE.items() for fixture in family.remote_code_fixtures}
 #: families stock `deepspeed.init_inference` (AutoTP) crashes on, and the start of the crash line the harness
-#: records: gpt_oss's attention `sinks` are not sharded with the heads (every transformers tested)
-STOCK_AUTOTP_CRASHES = {"gpt_oss": "RuntimeError: Sizes of tensors must match"}
+#: records (the table's measured facts)
+STOCK_AUTOTP_CRASHES = {name: family.stock_autotp.crash for name, family in _TABLE.items() if family.stock_autotp.crash}
 #: regression tests whose answer depends on the installed transformers: they run in every environment
 #: (the rest of the regression matrix reads pinned wheels only and runs once, in the latest environment)
 PER_ENVIRONMENT_REGRESSION = ("test_patch_writes_what_generated_expects", "test_this_environment_resolves_a_pinned_release")
@@ -35,18 +37,32 @@ def run_codegen(*args: str, env: dict | None = None, timeout: float = 300) -> su
                           env=env, timeout=timeout, cwd=ROOT)
 
 
+class _Templates(dict):
+    """Tiny checkpoints built on first use, once per session: a family of the table (its tiny example) or a
+    remote-code fixture (tests/fixtures/make_<fixture>.py)."""
+
+    def __init__(self, base: Path) -> None:
+        super().__init__()
+        self.base = base
+
+    def __missing__(self, kind: str) -> Path:
+        target = self.base / kind
+        if kind in REMOTE_CODE_FIXTURES:
+            import importlib
+
+            sys.path.insert(0, str(FIXTURES))
+            getattr(importlib.import_module(f"make_{kind}"), f"make_{kind}")(str(target))
+        else:
+            from codegen.harness.examples import build_example
+
+            build_example(kind, target)
+        self[kind] = target
+        return target
+
+
 @pytest.fixture(scope="session")
 def _tiny_templates(tmp_path_factory) -> dict[str, Path]:
-    from codegen.examples import build_example
-
-    sys.path.insert(0, str(FIXTURES))
-    from make_hub_deepseek import make_hub_deepseek
-
-    base = tmp_path_factory.mktemp("tiny-templates")
-    built = {family: build_example(family, base / family) for family in FAMILIES}
-    make_hub_deepseek(str(base / "hub_deepseek"))
-    built["hub_deepseek"] = base / "hub_deepseek"
-    return built
+    return _Templates(tmp_path_factory.mktemp("tiny-templates"))
 
 
 @pytest.fixture

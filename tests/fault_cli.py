@@ -6,11 +6,11 @@ from __future__ import annotations
 import os
 import sys
 
-import codegen.transaction
+import codegen.modeldir.transaction
 
 
 def install_fault(after: int) -> None:
-    """Kill this process after `after` file operations (codegen.transaction calls the hook after each one)."""
+    """Kill this process after `after` file operations (codegen.modeldir.transaction calls the hook after each one)."""
     ops = [0]
 
     def hook() -> None:
@@ -18,7 +18,7 @@ def install_fault(after: int) -> None:
         if ops[0] >= after:
             os._exit(137)
 
-    codegen.transaction.step_hook = hook
+    codegen.modeldir.transaction.step_hook = hook
 
 
 if __name__ == "__main__":

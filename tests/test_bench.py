@@ -141,7 +141,7 @@ def test_stock_autotp_baseline_is_what_the_patch_fixes(smoke, family):
 def test_a_stock_autotp_crash_is_recorded_and_the_others_run(smoke, family):
     """(a) crashed on its first forward: the row records the crash line, every b/a ratio is None, (b) was
     timed and checked with (d) in the same launch, and the table says crash in (a)'s cells."""
-    from codegen.bench import markdown
+    from codegen.harness.report import markdown
 
     _, result, record = smoke
     e = _row(record, family)
@@ -227,11 +227,11 @@ def test_timings_and_patch_times_are_recorded(smoke):
 
 @pytest.mark.runtime
 def test_the_demo_table_of_this_environment(smoke):
-    """The demo's table (codegen.demo.render) on this environment's ab rows: one row per family, the
+    """The demo's table (codegen.harness.demo.render) on this environment's ab rows: one row per family, the
     patched dirs reduce once, and the note that explains stock AutoTP under this transformers."""
     import re
 
-    from codegen.demo import render
+    from codegen.harness.demo import render
 
     _, _, record = smoke
     table = render({**record, "families": {r["family"]: r for r in record["rows"]}})
@@ -265,7 +265,7 @@ def test_recorded_runs_are_there():
 
 
 def test_markdown_table_of_the_recorded_runs():
-    from codegen.bench import markdown, merge
+    from codegen.harness.report import markdown, merge
 
     table = markdown(merge(RECORDED))
     rows = [row for path in RECORDED for row in json.loads(path.read_text())["rows"]]
@@ -274,21 +274,22 @@ def test_markdown_table_of_the_recorded_runs():
     assert "decode tokens/s" in table and "b/d decode, prefill" in table and "Runs:" in table
     # the committed table is this code's output on the committed runs, and the README carries its main table
     assert table == (ROOT / "docs" / "bench" / "table.md").read_text()
-    from codegen.bench import README_END, README_START, results_table
+    from codegen.harness.report import README_END, README_START, results_table
 
     readme = (ROOT / "README.md").read_text()
     assert readme.split(README_START, 1)[1].split(README_END, 1)[0] == "\n" + results_table(table)
 
 
 def test_recorded_runs_pass_the_bench_checks():
-    from codegen.bench import problems
+    from codegen.harness.bench import problems
 
     for path in RECORDED:
         assert problems(json.loads(path.read_text())) == [], path.name
 
 
+@pytest.mark.cli
 def test_merge_cli_writes_table_and_chart(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "codegen.bench", "merge", *RECORDED, "--json", tmp_path / "m.json",
+    result = subprocess.run([sys.executable, "-m", "codegen", "bench", "--merge", *RECORDED, "--json", tmp_path / "m.json",
                              "--markdown", tmp_path / "t.md", "--chart", tmp_path / "c.png"],
                             capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr
@@ -299,10 +300,11 @@ def test_merge_cli_writes_table_and_chart(tmp_path):
     assert len(merged["runs"]) == len(RECORDED)
 
 
+@pytest.mark.cli
 def test_merge_rejects_a_non_record_with_one_line(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
-    result = subprocess.run([sys.executable, "-m", "codegen.bench", "merge", bad], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "codegen", "bench", "--merge", bad], capture_output=True, text=True,
                             timeout=120, cwd=ROOT)
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "not a `bench --json` record" in result.stderr
@@ -335,7 +337,7 @@ def test_bad_tp_is_one_line():
 def test_rotation_gives_every_setup_every_position_equally_often(setups):
     """ABBA generalised: over 2n units each setup runs first, middle and last equally often, and each pair
     of neighbours appears in both orders (order effects cancel)."""
-    from codegen.tp_worker import rotation
+    from codegen.harness.worker.ab import rotation
 
     n = len(setups)
     orders = [rotation(setups, k) for k in range(2 * n)]
@@ -350,7 +352,7 @@ def test_rotation_gives_every_setup_every_position_equally_often(setups):
 def test_relative_error_and_greedy_agreement():
     import torch
 
-    from codegen.tp_worker import _agree, _relative
+    from codegen.harness.worker.reference import agree as _agree, relative as _relative
 
     ref = torch.tensor([[[1.0, -4.0, 2.0]], [[0.5, 0.1, 3.0]]])
     assert _relative(ref + 0.04, ref) == pytest.approx(0.01)
@@ -360,7 +362,7 @@ def test_relative_error_and_greedy_agreement():
 
 
 def test_low_precision_limit_is_a_multiple_of_the_single_process_error():
-    from codegen.checks import LOW_PRECISION_FACTOR, ab_problems, low_precision_limit
+    from codegen.harness.checks import LOW_PRECISION_FACTOR, ab_problems, low_precision_limit
 
     single = {"prefill_relative": 0.004, "decode_relative": 0.006}
     assert low_precision_limit(single) == pytest.approx(LOW_PRECISION_FACTOR * 0.006)
@@ -377,7 +379,7 @@ def test_low_precision_limit_is_a_multiple_of_the_single_process_error():
 
 
 def test_ratios_are_b_over_the_other_setup_and_none_where_it_crashed():
-    from codegen.results import ratios, spread
+    from codegen.harness.results import ratios, spread
 
     def figures(ms: float, experts: int) -> dict:
         return {"allreduce_prefill": 9, "allreduce_decode_step": spread([9.0]), "decode": spread([ms]),

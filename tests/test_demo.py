@@ -1,7 +1,7 @@
 """`python -m codegen demo`: the README's main-job command, run once as a user runs it, outcome asserted.
 
 The demo is the bench's launch, worker phase, checks and record with demo-sized settings
-(codegen.bench.run_ab); what the installed transformers changes in it (the counts, the note under
+(codegen.harness.abrun.run_ab); what the installed transformers changes in it (the counts, the note under
 the table) is asserted in every environment by tests/test_bench.py, which renders the bench smoke
 record through the demo's table. The command itself runs once, in the latest environment.
 """

@@ -36,8 +36,10 @@ from pathlib import Path
 import pytest
 
 import codegen.cli  # noqa: F401 - imported once here, so forked runs start warm
-import codegen.plan  # noqa: F401
+import codegen.patch.rewrite  # noqa: F401
 from conftest import ROOT, run_codegen, tree_digest
+
+pytestmark = pytest.mark.process  # forks / starts processes: not in the fast tier
 
 HUB_FIXTURE = ROOT / "tests" / "fixtures" / "hub_deepseek"
 FAULT_CLI = ROOT / "tests" / "fault_cli.py"
@@ -115,28 +117,38 @@ def make_layout(kind: str, layout: str, root: Path) -> tuple[Path, Path]:
 _REWRITES: dict = {}
 
 
-def _memo_rewrite(text, target, block):
-    from codegen import rewrite
+def _memo_rewrite(text, target, block, version_guard=None):
+    from codegen.patch import rewrite
 
     key = (text, target.package, target.shipped_modules, target.display_name, target.transformers_version,
-           target.family.model_type, block)
+           target.family.model_type, block, version_guard)
     if key not in _REWRITES:
-        _REWRITES[key] = rewrite.rewrite_source(text, target, block)
+        _REWRITES[key] = _REAL_REWRITE.get("fn", rewrite.rewrite_source)(text, target, block, version_guard)
     return _REWRITES[key]
+
+
+#: the real rewrite, kept before any test memoises it
+_REAL_REWRITE: dict = {}
 
 
 @pytest.fixture
 def fast(monkeypatch):
     """Memoise the libcst rewrite in this process (forked runs inherit what the parent has computed)."""
-    import codegen.plan
+    memoise_rewrite(monkeypatch.setattr)
 
-    monkeypatch.setattr(codegen.plan, "rewrite_source", _memo_rewrite)
+
+def memoise_rewrite(setattr_) -> None:
+    """Point codegen.patch.rewrite's `rewrite_source` at the memoised one (with `setattr_`, e.g. monkeypatch's)."""
+    import codegen.patch.rewrite
+
+    _REAL_REWRITE.setdefault("fn", codegen.patch.rewrite.rewrite_source)
+    setattr_(codegen.patch.rewrite, "rewrite_source", _memo_rewrite)
 
 
 def warm(d: Path, *args: str) -> None:
     """Compute the plan once in the parent, so forked children find the rewrite memoised."""
-    from codegen.modeldir import ModelDir
-    from codegen.plan import make_plan
+    from codegen.modeldir.directory import ModelDir
+    from codegen.patch.plan import make_plan
 
     source = Path(args[args.index("--source") + 1]) if "--source" in args else None
     make_plan(ModelDir(d), source, coalesce="--no-coalesce" not in args)
@@ -564,12 +576,12 @@ def test_patch_and_revert_racing_leave_one_consistent_state(fast, tmp_path):
 
 
 def test_lock_held_elsewhere_waits_then_says_so(fast, tmp_path, monkeypatch):
-    import codegen.modeldir
+    import codegen.modeldir.directory
 
     d = build("qwen2_moe", tmp_path / "m")
     before = tree_digest(d)
     warm(d)
-    monkeypatch.setattr(codegen.modeldir, "LOCK_WAIT_S", 0.5)
+    monkeypatch.setattr(codegen.modeldir.directory, "LOCK_WAIT_S", 0.5)
     fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # another run holds it (flock is per open file description)
@@ -749,14 +761,26 @@ def test_unwritable_dir_is_refused_before_anything_happens(fast, tmp_path):
     assert tree_digest(d) == before
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores file permissions (simulated above)")
-def test_read_only_dir_for_real(tmp_path):  # pragma: no cover - CI runs as root
+def _read_only(d: Path) -> tuple[list[str], list[str]]:
+    """(how to make `d` read-only for this user, how to undo it): root ignores mode bits but not the immutable
+    attribute, so as root the dir is made immutable (chattr +i); anyone else gets chmod 555."""
+    if os.geteuid() != 0:
+        return ["chmod", "555", str(d)], ["chmod", "755", str(d)]
+    return ["chattr", "+i", str(d)], ["chattr", "-i", str(d)]
+
+
+def test_read_only_dir_for_real(tmp_path):
     d = build("qwen2_moe", tmp_path / "m")
     before = tree_digest(d)
-    d.chmod(0o555)
+    lock, unlock = _read_only(d)
+    made = subprocess.run(lock, capture_output=True, text=True)
+    if made.returncode != 0:  # a container without CAP_LINUX_IMMUTABLE: nothing can make a dir read-only to root
+        pytest.skip(f"cannot make a dir read-only for uid {os.geteuid()} here: {made.stderr.strip()}")
     try:
         r = run_codegen("patch", d)
-        assert r.returncode == 4 and "not writable" in r.stderr
+        assert r.returncode == 4, r.stderr
+        assert r.stderr.strip().splitlines() == [f"error: {d} is not writable: fix its permissions or use --out DIR "
+                                                 "for a patched copy"]
         assert tree_digest(d) == before
     finally:
-        d.chmod(0o755)
+        subprocess.run(unlock, check=True)

@@ -23,11 +23,13 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from codegen.errors import BadInput, BadSource
-from codegen.modeldir import ModelDir
-from codegen.plan import make_plan
+from codegen.modeldir.directory import ModelDir
+from codegen.patch.plan import make_plan
 from conftest import tree_digest
 from test_hardening import HUB_DEEPSEEK_CONFIG, QWEN_CONFIG, build, cli, fast  # noqa: F401
 from test_sources import synth
+
+pytestmark = pytest.mark.process  # forks / starts processes: not in the fast tier
 
 #: strings aimed at every way a value could be spliced into Python or a jinja2 template
 HOSTILE = [
@@ -64,11 +66,11 @@ def workdir():
 @pytest.fixture(scope="module")
 def baselines(workdir):
     """The plan of each benign dir (the memoised rewrite makes every later plan cheap)."""
-    import codegen.plan
-    from test_hardening import _memo_rewrite
+    import codegen.patch.rewrite
+    from test_hardening import memoise_rewrite
 
-    real = codegen.plan.rewrite_source
-    codegen.plan.rewrite_source = _memo_rewrite
+    real = codegen.patch.rewrite.rewrite_source
+    memoise_rewrite(setattr)
     try:
         out = {}
         for kind in BASES:
@@ -76,7 +78,7 @@ def baselines(workdir):
             out[kind] = (d, make_plan(ModelDir(d), None, True))
         yield out
     finally:
-        codegen.plan.rewrite_source = real
+        codegen.patch.rewrite.rewrite_source = real
 
 
 _counter = iter(range(10**9))

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from codegen.families import FAMILIES
-from conftest import run_codegen
+from codegen.patch import api
+from conftest import REMOTE_CODE_FIXTURES
 
 pytestmark = pytest.mark.loader
 
@@ -24,11 +25,13 @@ def _load(directory, remote: bool):
     )
 
 
-@pytest.mark.parametrize("kind", ["qwen2_moe", "deepseek_v2", "hub_deepseek"])
+@pytest.mark.parametrize("kind", [*FAMILIES, *REMOTE_CODE_FIXTURES])
 def test_patched_dir_loads_every_tensor_with_identical_logits(make_dir, kind):
+    """Per family of the table (and its hub remote code): 0 missing/unexpected keys, identical parameters,
+    logits diff 0.0, same tokens."""
     pristine = make_dir(kind, "pristine")
     patched = make_dir(kind, "patched")
-    assert run_codegen("patch", patched).returncode == 0
+    api.patch(patched)  # the CLI's own call, in this process (tests/test_patch_cli.py runs the CLI itself)
 
     reference, _ = _load(pristine, remote=kind == "hub_deepseek")
     model, info = _load(patched, remote=True)
@@ -38,8 +41,9 @@ def test_patched_dir_loads_every_tensor_with_identical_logits(make_dir, kind):
     for key in ("missing_keys", "unexpected_keys", "mismatched_keys"):
         assert not info.get(key), (key, info.get(key))
     # every checkpoint tensor landed: parameters equal the built-in model's, tensor by tensor
-    ref_state = reference.state_dict()
-    for name, tensor in model.state_dict().items():
+    ref_state, state = reference.state_dict(), model.state_dict()
+    assert state.keys() == ref_state.keys()
+    for name, tensor in state.items():
         assert torch.equal(tensor, ref_state[name]), name
 
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -55,7 +59,7 @@ def test_policy_module_imports_and_names_its_gates(make_dir):
     import importlib.util
 
     d = make_dir("qwen2_moe")
-    assert run_codegen("patch", d).returncode == 0
+    api.patch(d)
     spec = importlib.util.spec_from_file_location("policy_under_test", d / "autotp_policy.py")
     policy = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(policy)
@@ -63,64 +67,6 @@ def test_policy_module_imports_and_names_its_gates(make_dir):
     assert set(policy.LAYOUT["routers"]) == set(FAMILIES["qwen2_moe"].routers) and policy.LAYOUT["routers"]
     assert callable(policy.init_inference)
     assert json.loads((d / "config.json").read_text())[policy.KNOB] is True
-
-
-#: families whose tiny checkpoints come straight from codegen.examples.SHAPES (the table's config class)
-NEW_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss")
-
-
-@pytest.fixture(scope="module")
-def _family_templates(tmp_path_factory):
-    """One tiny hub-format checkpoint per family, saved by the installed transformers (its own format)."""
-    import transformers
-
-    from codegen.examples import SHAPES
-    from codegen.families import FAMILIES
-
-    base = tmp_path_factory.mktemp("family-templates")
-    built = {}
-    for name in NEW_FAMILIES:
-        config = getattr(transformers, FAMILIES[name].config_class)(**SHAPES["tiny"][name])
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(config)
-        with torch.no_grad():
-            for param in model.parameters():
-                param.normal_(0, 0.05)  # non-trivial routers, experts and expert biases
-        model.save_pretrained(base / name)
-        built[name] = base / name
-    return built
-
-
-@pytest.mark.parametrize("family", NEW_FAMILIES)
-def test_new_family_patched_dir_loads_every_tensor_with_identical_logits(_family_templates, tmp_path, family):
-    """Per family of the table: 0 missing/unexpected keys, identical parameters, logits diff 0.0, same tokens."""
-    import shutil
-
-    pristine = shutil.copytree(_family_templates[family], tmp_path / "pristine")
-    patched = shutil.copytree(_family_templates[family], tmp_path / "patched")
-    done = run_codegen("patch", patched)
-    assert done.returncode == 0, done.stderr
-
-    reference, _ = _load(pristine, remote=False)
-    model, info = _load(patched, remote=True)
-    reference.eval()
-    model.eval()
-    assert "transformers_modules" in type(model).__module__
-    for key in ("missing_keys", "unexpected_keys", "mismatched_keys"):
-        assert not info.get(key), (key, info.get(key))
-    ref_state = reference.state_dict()
-    state = model.state_dict()
-    assert state.keys() == ref_state.keys()
-    for name, tensor in state.items():
-        assert torch.equal(tensor, ref_state[name]), name
-
-    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        diff = (model(ids).logits - reference(ids).logits).abs().max().item()
-        tokens = model.generate(ids[:1], max_new_tokens=8, do_sample=False)
-        ref_tokens = reference.generate(ids[:1], max_new_tokens=8, do_sample=False)
-    assert diff == 0.0
-    assert torch.equal(tokens, ref_tokens)
 
 
 def _quantize_experts_mxfp4(directory, form) -> None:
@@ -149,21 +95,21 @@ def _quantize_experts_mxfp4(directory, form) -> None:
     (directory / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def test_gpt_oss_mxfp4_experts_load_dequantized_exactly_or_are_refused(_family_templates, tmp_path):
+def test_gpt_oss_mxfp4_experts_load_dequantized_exactly_or_are_refused(make_dir, tmp_path):
     """transformers 5.x dequantizes MXFP4 experts into the patched class exactly as into the built-in one;
-    where the installed release cannot (4.x leaves them unloaded), codegen.quantization refuses the form."""
+    where the installed release cannot (4.x leaves them unloaded), codegen.patch.quantization refuses the form."""
     import shutil
 
     import transformers
 
     from codegen.errors import BadInput
     from codegen.families import FAMILIES
-    from codegen.quantization import refuse_unsupported_quantization
-    from codegen.source import installed_transformers_version
+    from codegen.patch.quantization import refuse_unsupported_quantization
+    from codegen.patch.source import installed_transformers_version
 
     family = FAMILIES["gpt_oss"]
     (form,) = family.quantized_forms
-    pristine = shutil.copytree(_family_templates["gpt_oss"], tmp_path / "pristine")
+    pristine = make_dir("gpt_oss", "pristine")
     _quantize_experts_mxfp4(pristine, form)
     config = json.loads((pristine / "config.json").read_text())
     version = installed_transformers_version()
@@ -177,8 +123,7 @@ def test_gpt_oss_mxfp4_experts_load_dequantized_exactly_or_are_refused(_family_t
         return
 
     patched = shutil.copytree(pristine, tmp_path / "patched")
-    done = run_codegen("patch", patched)
-    assert done.returncode == 0, done.stderr
+    api.patch(patched)  # the CLI's own call, in this process (tests/test_patch_cli.py runs the CLI itself)
     reference, _ = _load(pristine, remote=False)
     model, info = _load(patched, remote=True)
     assert "transformers_modules" in type(model).__module__

@@ -1,5 +1,5 @@
-"""codegen.memory: meta-device sizes equal a real load's; the plan's arithmetic; the fit rule. Also the examples'
-shapes (codegen.examples): every row divides by the TP sizes the bench runs, and a bfloat16 build is the float32
+"""codegen.harness.memory: meta-device sizes equal a real load's; the plan's arithmetic; the fit rule. Also the examples'
+shapes (codegen.harness.examples): every row divides by the TP sizes the bench runs, and a bfloat16 build is the float32
 build rounded, loading back with nothing missing or unexpected."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from codegen.examples import DTYPES, SHAPES, build_example
+from codegen.harness.examples import DTYPES, build_example, families_with, shape
 from codegen.families import FAMILIES
-from codegen.memory import (
+from codegen.harness.memory import (
     GIB,
     SAFETY_BYTES,
     available_bytes,
@@ -25,7 +25,7 @@ from codegen.memory import (
     required_bytes,
 )
 
-TINY = tuple(SHAPES["tiny"])
+TINY = families_with("tiny")
 
 
 def _loaded_bytes(directory, dtype: str) -> dict:
@@ -116,18 +116,40 @@ def test_available_bytes_is_a_plausible_amount():
 
 @pytest.mark.parametrize("size", ("bench", "full"))
 def test_every_row_divides_by_the_bench_tp_sizes(size):
-    for family, shape in SHAPES[size].items():
+    for family in families_with(size):
+        values = shape(family, size)
         for tp in (2, 4):
             for key in FAMILIES[family].tp_divisible_keys:
-                if key in shape:
-                    assert shape[key] % tp == 0, (size, family, key, tp)
+                if key in values:
+                    assert values[key] % tp == 0, (size, family, key, tp)
 
 
 def test_full_rows_are_two_layers_and_small_vocab():
-    for family, shape in SHAPES["full"].items():
-        assert shape["num_hidden_layers"] == 2 and shape["vocab_size"] == 4096, family
-        assert shape["tie_word_embeddings"] is False
-    assert set(SHAPES["bench"]) >= {"qwen3_moe", "gpt_oss"} and set(SHAPES["full"]) == set(SHAPES["bench"])
+    for family in families_with("full"):
+        values = shape(family, "full")
+        assert values["num_hidden_layers"] == 2 and values["vocab_size"] == 4096, family
+        assert values["tie_word_embeddings"] is False
+    assert set(families_with("bench")) >= {"qwen3_moe", "gpt_oss"}
+    assert set(families_with("full")) == set(families_with("bench"))
+
+
+def test_full_rows_are_the_published_widths():
+    """A full-width example is the project's copy of a real checkpoint's config, cut to two layers."""
+    import json
+
+    from codegen.harness.examples import PUBLISHED
+
+    for family in families_with("full"):
+        published = json.loads((PUBLISHED / FAMILIES[family].examples.published).read_text())
+        values = shape(family, "full")
+        widths = ("hidden_size", "moe_intermediate_size", "intermediate_size", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim")
+        for key in widths:
+            if key in values:
+                assert values[key] == published[key], (family, key)
+        for key in FAMILIES[family].num_experts_keys + FAMILIES[family].top_k_keys:
+            if key in values:
+                assert values[key] == published[key], (family, key)
 
 
 @pytest.mark.parametrize("family", ("qwen3_moe", "gpt_oss"))

@@ -175,8 +175,8 @@ def test_bad_input_is_one_line_with_documented_exit_code(tmp_path, setup, code, 
 
 
 def test_api_returns_results_the_cli_prints(make_dir):
-    """codegen.api is what the CLI, the demo and the bench call: results, not printed text."""
-    from codegen import api
+    """codegen.patch.api is what the CLI, the demo and the bench call: results, not printed text."""
+    from codegen.patch import api
 
     d = make_dir("qwen2_moe")
     before = tree_digest(d)

@@ -1,4 +1,5 @@
-"""codegen.policy_runtime driven directly: small nn.Module trees, a fake process group, a fake DeepSpeed.
+"""The policy runtime (codegen/policy/runtime/, as assembled into every autotp_policy.py) driven directly: small
+nn.Module trees, a fake process group, a fake DeepSpeed.
 
 No ranks are launched here (tests/test_runtime.py and tests/test_verify.py run the rendered policy on real
 DeepSpeed ranks). The layouts are the family table's own (`Family.policy_layout()`) plus a made-up family
@@ -22,9 +23,13 @@ import pytest
 import torch
 from torch import nn
 
-from codegen import policy_runtime as rt
 from codegen.families import FAMILIES
-from codegen.policy import SEPARATOR, render_header, render_policy, runtime_text, split_policy
+from codegen.policy.assemble import (PART_HEADER, SEPARATOR, AssemblyError, part_text, render_header, render_policy,
+                                     runtime_module, runtime_text, split_policy)
+from codegen.policy.runtime import PARTS
+
+#: the runtime exactly as a model dir's autotp_policy.py runs it (its parts assembled), without a header
+rt = runtime_module()
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -887,7 +892,7 @@ def test_generated_policies_embed_the_runtime_verbatim():
     for path in files:
         header, embedded = split_policy(path.read_text(encoding="utf-8"))
         recorded = re.search(r"^RUNTIME_SHA256 = '([0-9a-f]{64})'$", header, re.MULTILINE).group(1)
-        assert embedded == runtime, f"{path}: regenerate (python -m codegen.upstream regenerate)"
+        assert embedded == runtime, f"{path}: regenerate (python -m codegen regression regenerate)"
         assert recorded == hashlib.sha256(embedded.encode()).hexdigest()
 
 
@@ -910,3 +915,36 @@ def test_the_runtime_is_self_contained_and_holds_no_family_name():
                  layout["fused"]["gate_up"], layout["fused"]["down"], layout["fused"]["size_attr"]}
         schema = {*layout, *layout["per_expert"], *layout["fused"]}  # the layout's own keys, not family names
         assert not literals & (names - schema), literals & (names - schema)
+
+
+def test_the_runtime_is_its_parts_in_order_and_each_part_is_a_module_of_the_same_code():
+    import importlib
+
+    text = runtime_text()
+    at = 0
+    for name in PARTS:
+        start = text.index(PART_HEADER.format(name), at)
+        assert start >= at
+        at = start
+        module = importlib.import_module(f"codegen.policy.runtime.{name}")
+        for node in ast.parse(part_text(name)).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                # the assembled runtime defines the very same function / class the part module does
+                assert ast.get_source_segment(part_text(name), node) in text
+                assert hasattr(module, node.name) and hasattr(rt, node.name)
+    leaves = [n for n in PARTS if "from codegen." not in part_text(n)]
+    assert "probe" in leaves and all(part_text(n) in text for n in leaves)  # leaf parts embedded byte for byte
+
+
+def test_a_part_importing_a_name_no_earlier_part_defines_is_refused(monkeypatch):
+    from codegen.policy import assemble
+
+    real = assemble.part_text
+    monkeypatch.setattr(assemble, "part_text", lambda name: real(name) + (
+        "\nfrom codegen.policy.runtime.entry import init_inference\n" if name == "groups" else ""))
+    assemble.runtime_text.cache_clear()
+    try:
+        with pytest.raises(AssemblyError, match="runtime part groups imports .'init_inference'. from"):
+            assemble.runtime_text()
+    finally:
+        assemble.runtime_text.cache_clear()

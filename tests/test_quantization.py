@@ -6,7 +6,7 @@ import pytest
 
 from codegen.errors import BAD_INPUT, BadInput
 from codegen.families import FAMILIES
-from codegen.quantization import quant_method, refuse_unsupported_quantization
+from codegen.patch.quantization import quant_method, refuse_unsupported_quantization
 
 FORMS = [(f, form) for f in FAMILIES.values() for form in f.quantized_forms]
 

@@ -21,6 +21,8 @@ import pytest
 from conftest import ROOT, run_codegen, tree_digest
 from test_hardening import build
 
+pytestmark = pytest.mark.process  # forks / starts processes: not in the fast tier
+
 KNOB = "codegen_coalesce_moe_all_reduce"
 
 
@@ -337,7 +339,7 @@ def test_unsupported_model_type_names_the_nearest_family_and_stock_autotp(tmp_pa
 def test_quantized_form_below_its_verified_release_is_refused(tmp_path):
     """gpt-oss MXFP4 loads into a patched dir only from the release the table names; below it, one line."""
     from codegen.families import FAMILIES
-    from codegen.source import installed_transformers_version
+    from codegen.patch.source import installed_transformers_version
     from packaging.version import Version
 
     (name, family), = [(n, f) for n, f in FAMILIES.items() if f.quantized_forms][:1]

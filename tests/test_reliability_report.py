@@ -14,11 +14,15 @@ The hypothesis tests of test_injection.py are not counted here: they have no fix
 
 from __future__ import annotations
 
+import pytest
+
 import os
 from pathlib import Path
 
 from test_hardening import SWEEPS, Tally, cached, failing_writes, fast, outcome  # noqa: F401 - fast is a fixture
 from test_sources import source_corpus, warm_and_run_config_corpus
+
+pytestmark = pytest.mark.process  # forks / starts processes: not in the fast tier
 
 
 def test_reliability_figure(fast, tmp_path_factory):

@@ -9,7 +9,9 @@ import pytest
 
 from codegen.errors import BadSource
 from codegen.families import FAMILIES
-from codegen.rewrite import AbsolutizeImports, DeclareNativeLoading, RewriteTarget, rewrite_source
+from codegen.patch.rewrite import rewrite_source
+from codegen.patch.target import RewriteTarget
+from codegen.patch.transforms import AbsolutizeImports, DeclareNativeLoading
 
 BLOCK = "_CODEGEN_PATCH = {'family': 'x'}\n\n\ndef _codegen_moe_all_reduce(block, hidden_states):\n    return hidden_states\n"
 
@@ -407,7 +409,7 @@ def test_fused_experts_are_recognised_by_the_whole_layout_of_the_family():
 
 def test_wrapped_return_passes_the_safety_check_and_other_edits_do_not():
     from codegen.families import ANCHOR_RETURNED_SUM
-    from codegen.rewrite import check_only_intended_changes
+    from codegen.patch.safety import check_only_intended_changes
 
     target = _anchor_target(_family_with(ANCHOR_RETURNED_SUM))
     original = "def f(self, a, b):\n    return a + b\n"

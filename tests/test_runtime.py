@@ -47,7 +47,8 @@ def _policy(directory: Path):
 def four_ranks(_tiny_templates, tmp_path_factory):
     import shutil
 
-    from codegen.runtime import materialize_unpatched, run_phases
+    from codegen.harness.launcher import run_phases
+    from codegen.modeldir.pristine import materialize_unpatched
 
     directory = tmp_path_factory.mktemp("world4") / "hub_deepseek"
     shutil.copytree(_tiny_templates["hub_deepseek"], directory)
@@ -81,9 +82,9 @@ def test_world4_counts(four_ranks):
         assert r["allreduce_per_attention_block"] == [1, 1]
         assert r["allreduce_per_dense_mlp_block"] == [1]
         assert r["allreduce_lm_head"] == 1
-        assert r["allreduce_per_forward"] == r["allreduce_per_forward_profiler"] == 5
+        assert r["allreduce_per_forward"] == 5
         # several groups per node: the shm fast path is off, the reductions go through torch.distributed
-        assert r["allreduce_entries"] == {"deepspeed.comm.inference_all_reduce": 5}
+        assert r["allreduce_entries"] == {"c10d::allreduce_": 5}
 
 
 def test_world4_every_rank_holds_half_of_every_sharded_layer(four_ranks):
@@ -108,7 +109,7 @@ def test_world4_backward_and_no_policy(four_ranks):
         assert grad["autograd_node"] == "_AllReduceSumBackward"
     for r in four_ranks["no-policy"]:
         assert r["maxdiff"] == 0.0 and r["same_tokens"] is True
-        assert r["allreduce_per_forward"] == r["allreduce_per_forward_profiler"] == 0
+        assert r["allreduce_per_forward"] == 0
 
 
 # ----------------------------------------------------------------------------------- the launcher's failures
@@ -117,7 +118,7 @@ def test_world4_backward_and_no_policy(four_ranks):
 @pytest.mark.once
 def test_a_failing_rank_is_one_line_and_stops_the_others(tmp_path):
     from codegen.errors import VerifyFailed
-    from codegen.runtime import launch
+    from codegen.harness.launcher import launch
 
     missing = str(tmp_path / "missing")
     spec = {"tp": 2, "jobs": [{"name": "x", "model": missing, "reference": missing, "phases": ["codegen"]}]}
@@ -144,7 +145,7 @@ def _one_line_policy_error(policy, model, tp_size) -> str:
 def test_tp_size_not_dividing_the_heads(make_dir):
     import torch
 
-    from codegen.tp_worker import load
+    from codegen.harness.worker.model_figures import load
 
     directory = _patch(make_dir("qwen2_moe"))
     model = load(str(directory), True, torch.float32)
@@ -167,7 +168,7 @@ def test_tp_size_not_dividing_the_expert_intermediate_size(make_dir):
 def test_policy_on_an_unpatched_model(make_dir):
     import torch
 
-    from codegen.tp_worker import load
+    from codegen.harness.worker.model_figures import load
 
     unpatched = make_dir("qwen2_moe", "unpatched")
     patched = _patch(make_dir("qwen2_moe", "patched"))
@@ -180,7 +181,7 @@ def test_policy_on_an_unpatched_model(make_dir):
 def test_policy_of_another_family(make_dir):
     import torch
 
-    from codegen.tp_worker import load
+    from codegen.harness.worker.model_figures import load
 
     qwen = _patch(make_dir("qwen2_moe"))
     deepseek = _patch(make_dir("deepseek_v2"))
@@ -192,7 +193,7 @@ def test_policy_of_another_family(make_dir):
 def test_deepspeed_missing(make_dir, monkeypatch):
     import torch
 
-    from codegen.tp_worker import load
+    from codegen.harness.worker.model_figures import load
 
     directory = _patch(make_dir("qwen2_moe"))
     model = load(str(directory), True, torch.float32)

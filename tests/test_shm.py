@@ -5,7 +5,7 @@
   after SIGTERM, no buffer of that run is left; another job's buffer (another port) is never touched.
   Under SIGTERM a rank without a handler still dies of SIGTERM (exit status unchanged) and a rank with
   its own handler gets it called (chained).
-* `python -m codegen.shm [--clean]` on a directory of real tmpfs files, one of them mapped by a live
+* `python -m codegen shm [--clean]` on a directory of real tmpfs files, one of them mapped by a live
   process: listed with size and age, and only the unmapped, old enough ones removed.
 """
 
@@ -24,7 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from codegen import policy_runtime as rt
+from codegen.policy.assemble import runtime_module
+
+rt = runtime_module()
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,7 +39,7 @@ RANK_SCRIPT = textwrap.dedent("""
             open(os.path.join(ready, "handler0"), "w").close()
             os._exit(3)
         signal.signal(signal.SIGTERM, own)
-    from codegen.tp_worker import load
+    from codegen.harness.worker.model_figures import load
     model = load(model_dir, True, torch.float32)
     spec = importlib.util.spec_from_file_location("autotp_policy", os.path.join(model_dir, "autotp_policy.py"))
     policy = importlib.util.module_from_spec(spec); spec.loader.exec_module(policy)
@@ -58,7 +60,8 @@ def _buffers(port: int) -> list[str]:
 
 
 def _launch(model_dir: Path, work: Path, mode: str) -> tuple[list[subprocess.Popen], int, Path]:
-    from codegen.runtime import extensions_dir, free_port
+    from codegen.harness.launcher import free_port
+    from codegen.harness.opcache import extensions_dir
 
     port = free_port()
     script = work / "rank.py"
@@ -155,7 +158,7 @@ def test_sigterm_leaves_no_buffer_and_keeps_exit_status_and_handlers(served_dir,
 
 
 def _shm(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "codegen.shm", *args], check=False, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "codegen", "shm", *args], check=False, capture_output=True, text=True,
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
 
 
@@ -173,6 +176,7 @@ def shm_dir():
         yield Path(d)
 
 
+@pytest.mark.cli
 def test_shm_lists_and_cleans_only_unused_old_buffers(shm_dir):
     old = shm_dir / f"{rt.SHM_PREFIX}_{os.getuid()}_127.0.0.1_1111_0"
     mapped = shm_dir / f"{rt.SHM_PREFIX}_{os.getuid()}_127.0.0.1_1111_1"
@@ -217,7 +221,7 @@ def test_shm_lists_and_cleans_only_unused_old_buffers(shm_dir):
 
 
 def test_shm_maps_scan_sees_this_process_mapping(shm_dir):
-    from codegen import shm
+    from codegen.policy import shm
 
     path = shm_dir / f"{rt.SHM_PREFIX}_{os.getuid()}_127.0.0.1_3333_0"
     path.write_bytes(b"\0" * 4096)
@@ -227,12 +231,8 @@ def test_shm_maps_scan_sees_this_process_mapping(shm_dir):
     assert shm.scan_maps(str(shm_dir))[0] == {}
 
 
-def test_shm_parser_registers_on_a_cli():
-    import argparse
+def test_shm_is_a_subcommand_of_the_one_cli():
+    from codegen.cli import COMMANDS, _parser
 
-    from codegen import shm
-
-    parser = argparse.ArgumentParser()
-    shm.add_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["shm", "--clean", "--dir", "/tmp/x"])
-    assert (args.command, args.clean, args.dir) == ("shm", True, "/tmp/x")
+    args = _parser().parse_args(["shm", "--clean", "--dir", "/tmp/x"])
+    assert (args.command, args.clean, args.dir) == ("shm", True, "/tmp/x") and "shm" in COMMANDS

@@ -7,6 +7,8 @@ and an error leaves the dir exactly as it was. The tool only parses sources: it 
 
 from __future__ import annotations
 
+import pytest
+
 import ast
 import json
 import os
@@ -20,6 +22,8 @@ from conftest import tree_digest
 from test_hardening import (  # noqa: F401 - fast is a fixture
     HUB_DEEPSEEK_CONFIG, QWEN_CONFIG, Tally, assert_clean, build, cached, cli, fast, listing, warm,
 )
+
+pytestmark = pytest.mark.process  # forks / starts processes: not in the fast tier
 
 HELPER = "_codegen_moe_all_reduce"
 

@@ -1,0 +1,98 @@
+"""The interleaved runs bench and demo share: build and patch the example dirs, run the worker's ab phase on
+every (family, batch) in one launch, and summarise each into a row (codegen.harness.results.summarise_ab).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from codegen.families import FAMILIES
+from codegen.harness.prepare import Progress, ab_spec, prepare_examples
+from codegen.harness.results import summarise_ab
+
+#: what each kind of run measures: `smoke` is the CI run (counts asserted, timings recorded but meaningless),
+#: `toy` the default recorded run (scaled-down widths), `full` the published widths (2 layers, small vocab)
+SETTINGS: dict[str, dict] = {
+    "smoke": dict(size="tiny", prompt_len=32, batches=(1,), decode_steps=4, warmup=1, prefill_repeats=2,
+                  patch_trials=1, setups=("stock", "codegen", "native"), timeout=900.0),
+    "toy": dict(size="bench", prompt_len=128, batches=(1, 16), decode_steps=48, warmup=4, prefill_repeats=8,
+                patch_trials=3, setups=("stock", "codegen", "native"), timeout=1800.0),
+    "full": dict(size="full", prompt_len=64, batches=(1, 16), decode_steps=16, warmup=2, prefill_repeats=3,
+                 patch_trials=0, setups=("stock", "codegen", "native"), timeout=3000.0),
+    # the demo: tiny dirs, counts and logits only, (a) vs (b)
+    "demo": dict(size="tiny", prompt_len=32, batches=(1,), decode_steps=2, warmup=1, prefill_repeats=1,
+                 patch_trials=0, setups=("stock", "codegen"), timeout=600.0),
+}
+#: two interleaved groups sharing (b), when the three setups do not fit in memory side by side
+PAIRS = (("stock", "codegen"), ("codegen", "native"))
+
+
+def families_of(kind: str) -> tuple[str, ...]:
+    """The families a kind of run covers: those with an example shape of its size."""
+    from codegen.harness.examples import families_with
+
+    return families_with(SETTINGS[kind]["size"])
+
+
+def run_ab(kind: str, families: tuple[str, ...], tp: int, device: str, root: Path, progress: Progress,
+           echo_patch: bool = False, dtype: str = "float32", groups: dict[str, tuple] | None = None
+           ) -> tuple[list[dict], list[dict], dict]:
+    """Build, patch and run the ab phase of every (family, batch) in one launch: (rows, rank records, dirs).
+
+    `groups` gives, per family, the interleaved groups of setups (default: all of the kind's setups
+    in one group); a family run in two groups gets one row, (b)'s figures from the first.
+    """
+    from codegen.harness.examples import shape_of
+    from codegen.harness.launcher import launch
+    from codegen.harness.opcache import shm_op_cached
+
+    settings = SETTINGS[kind]
+    dirs = prepare_examples(families, settings["size"], root, progress, echo=echo_patch,
+                            dtype=dtype if settings["size"] == "full" else "float32")
+    if device == "cpu" and not shm_op_cached():
+        progress("first run with this Python, torch and DeepSpeed: DeepSpeed JIT-compiles its CPU shared-memory "
+                 "all-reduce (once, kept in codegen's cache dir; 1-3 minutes on 2 cores)")
+    jobs = []
+    for family in families:
+        for batch in settings["batches"]:
+            for g, setups in enumerate((groups or {}).get(family, (settings["setups"],))):
+                jobs.append({"name": f"{family}/b{batch}/g{g}", "family": family, "batch": batch, "setups": setups})
+    # full widths: one launch per family, so no rank carries one family's freed-but-kept heap into the next
+    batches = [[f] for f in families] if settings["size"] == "full" else [list(families)]
+    ranks: list[dict] = []
+    for launched in batches:
+        progress(f"starting {tp} {device.upper()} ranks ({', '.join(launched)}); every timed step runs each setup "
+                 "back to back, in rotating order")
+        spec = ab_spec(dirs, [job for job in jobs if job["family"] in launched], tp, device, dtype, settings)
+        for k, rank in enumerate(launch(spec, tp, settings["timeout"], progress, what="benchmark")):
+            if k < len(ranks):
+                ranks[k]["jobs"].update(rank["jobs"])
+            else:
+                ranks.append(rank)
+    rows = []
+    for family in families:
+        shape = shape_of(dirs[family]["unpatched"], family, settings["size"])
+        for batch in settings["batches"]:
+            parts = [summarise_ab([r["jobs"][job["name"]]["ab"] for r in ranks], shape)
+                     for job in jobs if job["family"] == family and job["batch"] == batch]
+            row = {"family": family, "label": label(family), "size": settings["size"], **parts[0]}
+            for part in parts[1:]:  # a second group: (d) against its own (b)
+                row["native"], row["ratio_b_over_d"] = part["native"], part["ratio_b_over_d"]
+                row["codegen_beside_native"] = part["codegen"]
+            if len(parts) > 1:
+                row["groups"] = [list(job["setups"]) for job in jobs
+                                 if job["family"] == family and job["batch"] == batch]
+            rows.append(row)
+    return rows, ranks, dirs
+
+
+
+def label(family: str) -> str:
+    """What the bench and README call a family's bench-sized example."""
+    known = FAMILIES.get(family)
+    return known.bench_label if known is not None and known.bench_label else family
+
+
+def size_name(size: str) -> str:
+    """The CLI's name of an example size: `bench` shapes are what `--size toy` runs."""
+    return {"bench": "toy"}.get(size, size)

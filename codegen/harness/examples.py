@@ -1,0 +1,94 @@
+"""Small random checkpoints in hub format, built locally (no hub access): the demo's, the bench's and the tests' inputs.
+
+The shapes are the family table's (`Family.examples`): `tiny` keeps tests fast; `toy` (the bench's default,
+called "bench" here) keeps a real model's routing (experts, top-k, shared experts, dense-first layers, MLA
+ranks) scaled to fit a CPU; `full` is a real checkpoint's published widths (the project's copy of its
+config, codegen/harness/published/) with two decoder layers and a small vocabulary, so one layer costs what it
+costs in production (several GB per example in float32: build them with dtype="bfloat16").
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+from codegen.families import FAMILIES, FULL_WIDTH_CAPS, PUBLISHED_ROUTING_KEYS
+from codegen.modeldir.layout import CONFIG
+
+#: the example sizes, as `build_example(size=...)` names them
+SIZES = ("tiny", "bench", "full")
+#: where the published configs of real checkpoints are kept (architecture fields only; no weights)
+PUBLISHED = Path(__file__).resolve().parent / "published"
+#: the dtypes `build_example` saves (torch attribute names); float32 is what tests and the demo use
+DTYPES = ("float32", "bfloat16", "float16")
+#: shards `save_pretrained` writes at most: bounds what a save holds in memory beside the model
+#: (transformers 5.x writes one 50GB shard by default); the tiny and bench examples stay one file
+MAX_SHARD_SIZE = "2GB"
+
+
+@lru_cache(maxsize=None)
+def published_config(name: str) -> dict:
+    return json.loads((PUBLISHED / name).read_text())
+
+
+def shape(family: str, size: str) -> dict | None:
+    """The config values of `family`'s example of `size` (None where the family has none of that size)."""
+    examples = FAMILIES[family].examples
+    if examples is None:
+        return None
+    if size == "tiny":
+        return dict(examples.tiny)
+    if size == "bench":
+        return dict(examples.toy) if examples.toy is not None else None
+    if size != "full":
+        raise ValueError(f"size {size!r} is not one of {', '.join(SIZES)}")
+    if not examples.published:
+        return None
+    published = published_config(examples.published)
+    full = {k: published[k] for k in (*examples.tiny, *PUBLISHED_ROUTING_KEYS) if k in published}
+    full.update(FULL_WIDTH_CAPS)
+    layers = full["num_hidden_layers"]
+    for key, value in list(full.items()):
+        if isinstance(value, list) and len(value) == published.get("num_hidden_layers"):
+            full[key] = value[:layers]  # per-layer lists (layer_types, mlp_layer_types) cut to the layers kept
+    full.update(examples.full_overrides)
+    return full
+
+
+def families_with(size: str) -> tuple[str, ...]:
+    """The families that have an example of `size`, in table order."""
+    return tuple(f for f in FAMILIES if shape(f, size) is not None)
+
+
+def build_example(family: str, out_dir: Path, size: str = "tiny", seed: int = 0, dtype: str = "float32") -> Path:
+    """A random checkpoint saved with `save_pretrained` (hub format: per-expert weights).
+
+    Weights are drawn in float32 (seeded) whatever `dtype` is, then cast in place one Parameter at a time:
+    a bfloat16 example holds the float32 example's weights rounded, and the build never holds two copies.
+    """
+    import torch
+    import transformers
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    values = shape(family, size)
+    if values is None:
+        raise ValueError(f"{family} has no {size} example")
+    config = getattr(transformers, FAMILIES[family].config_class)(**values)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.05)  # non-trivial routers and experts
+    if dtype != "float32":
+        model.to(getattr(torch, dtype))  # Parameter by Parameter: the float32 storage is freed as it goes
+    model.save_pretrained(out_dir, max_shard_size=MAX_SHARD_SIZE)
+    return out_dir
+
+
+def shape_of(directory: Path, family: str, size: str) -> dict:
+    """The sizes an example of `size` sets (its integer config values), as its config.json holds them."""
+    config = json.loads(Path(directory, CONFIG).read_text())
+    return {k: config[k] for k, v in shape(family, size).items()
+            if isinstance(v, int) and not isinstance(v, bool) and k in config}

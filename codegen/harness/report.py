@@ -1,0 +1,300 @@
+"""The bench's outputs: the markdown table (a / b / d cells per row), the chart, merging runs of several
+environments, and the README's copy of the table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from codegen import __version__
+from codegen.errors import BadInput, IOFailure
+from codegen.harness.abrun import label, size_name
+from codegen.harness.results import crashed
+
+
+def _records(record_or_merged: dict) -> list[dict]:
+    return record_or_merged.get("runs", [record_or_merged])
+
+
+def _rows(records: list[dict]):
+    for rec in records:
+        for row in rec.get("rows", []):
+            yield rec, row
+
+
+def _fmt_ratio(r: float | None) -> str:
+    return "–" if r is None else f"{r:.2f}×"
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def _count(x: float) -> str:
+    return f"{x:g}" if float(x).is_integer() else f"{x:.2f}"
+
+
+#: the setups in table order, and their letters
+SETUP_ORDER = (("stock", "a"), ("codegen", "b"), ("native", "d"))
+
+
+def _present(row: dict, mode: str) -> dict | None:
+    """A setup's figures, None where it was not run or crashed."""
+    figures = row.get(mode)
+    return None if figures is None or crashed(figures) else figures
+
+
+def _cells(row: dict, fmt) -> str:
+    """`a / b / d` for one figure: `crash` where a setup crashed, `–` where it was not run."""
+    out = []
+    for mode, _ in SETUP_ORDER:
+        figures = row.get(mode)
+        out.append("–" if figures is None else "crash" if crashed(figures) else fmt(figures))
+    return " / ".join(out)
+
+
+def _per_layer(f: dict) -> str:
+    gathers = f.get("gathers_decode_per_moe_layer_mean", 0)
+    text = _count(f["allreduce_decode_per_moe_layer_mean"])
+    return text + (f"+{_count(gathers)}g" if gathers else "")
+
+
+def _per_step(f: dict) -> str:
+    gathers = f.get("gathers_decode_step", {}).get("median", 0) or 0
+    return _count(f["allreduce_decode_step"]["median"]) + (f"+{_count(gathers)}g" if gathers else "")
+
+
+def _numerics(f: dict, dtype: str) -> str:
+    if dtype == "float32":
+        return f"{max(f['maxdiff_prefill'], f['maxdiff_decode']):.0e}"
+    agreement = f.get("token_agreement")
+    return (f"{max(f['relative_prefill'], f['relative_decode']):.0e}"
+            + (f", {agreement:.0%}" if agreement is not None else ""))
+
+
+def _unsharded(row: dict) -> str:
+    """A low-precision row's yardstick: the unsharded model's own error and agreement at that dtype."""
+    single = row.get("reference", {}).get("single_process_error")
+    if not single:
+        return ""
+    agreement = single["tokens_agree"] / single["tokens_total"] if single["tokens_total"] else None
+    return (f" (unsharded {row['dtype']}: {max(single['prefill_relative'], single['decode_relative']):.0e}"
+            + (f", {agreement:.0%})" if agreement is not None else ")"))
+
+
+def _ratio_cell(row: dict, key: str) -> str:
+    r = row.get(key) or {}
+    return f"{_fmt_ratio(r.get('decode_median'))}, {_fmt_ratio(r.get('prefill_median'))}"
+
+
+def markdown(record_or_merged: dict) -> str:
+    records = _records(record_or_merged)
+    first = records[0]
+    lines = [
+        f"TP={first['tp']} on {first['device'].upper()}; (a) stock DeepSpeed AutoTP, (b) codegen, (d) transformers "
+        "native TP (`tp_plan=\"auto\"`), each cell **a / b / d**; latency = slowest rank, median; decode "
+        "teacher-forced with the float32 single-process model's greedy tokens; `crash` = that setup failed to load "
+        "or run (below), `–` = not run. Collectives: all-reduces, `+Ng` = N other collectives (all-gathers). "
+        "Numerics: float32 rows max |Δlogits| vs the float32 single process (c); bfloat16 rows the relative error "
+        "max|Δ|/max|logits| vs (c) and the share of decode steps whose greedy token matches (c)'s.",
+        "",
+        "| model | transformers | dtype | batch | collectives / MoE layer (decode) | collectives / decode step "
+        "| decode ms | decode tokens/s | prefill ms | expert MiB / rank | numerics | b/a decode, prefill "
+        "| b/d decode, prefill |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    notes: dict[str, list[str]] = {}  # one line per finding, naming the rows it holds for
+    for rec, row in _rows(records):
+        tf = rec["machine"]["transformers"]
+        where = f"{size_name(row['size'])} {row['dtype']} batch {row['batch']}"
+        if row.get("not_run"):
+            notes.setdefault(f"{row['family']} ({size_name(row['size'])} widths, transformers {tf}): not run: "
+                             f"{row['not_run']}", []).append(where)
+            lines.append(f"| {row['family']} ({label(row['family'])}, {size_name(row['size'])}) | {tf} | {row['dtype']} "
+                         f"| {row['batch']} | not run: does not fit in memory (notes) |" + " |" * 8)
+            continue
+        for mode, letter in SETUP_ORDER:
+            figures = row.get(mode)
+            if figures is not None and (crashed(figures) or figures.get("note")):
+                finding = f"crashed: {crashed(figures)}" if crashed(figures) else figures["note"]
+                notes.setdefault(f"({letter}) {row['family']}, transformers {tf}: {finding}", []).append(where)
+        if row.get("groups"):
+            notes.setdefault(f"{row['family']}, transformers {tf}: the three setups do not fit side by side; "
+                             "interleaved as " + " then ".join(
+                                 "(" + ", ".join(dict(SETUP_ORDER)[m] for m in g) + ")" for g in row["groups"])
+                             + "; b/d compares (d) with the (b) run beside it", []).append(where)
+        lines.append(
+            f"| {row['family']} ({label(row['family'])}, {size_name(row['size'])}) | {tf} | {row['dtype']} "
+            f"| {row['batch']} | {_cells(row, _per_layer)} | {_cells(row, _per_step)} "
+            f"| {_cells(row, lambda f: format(f['decode']['median'] * 1e3, '.1f'))} "
+            f"| {_cells(row, lambda f: format(f['decode_tokens_per_s'], '.1f'))} "
+            f"| {_cells(row, lambda f: format(f['prefill']['median'] * 1e3, '.0f'))} "
+            f"| {_cells(row, lambda f: _mb(f['param_bytes_per_rank']['experts']))} "
+            f"| {_cells(row, lambda f: _numerics(f, row['dtype']))}{_unsharded(row)} "
+            f"| {_ratio_cell(row, 'ratio_b_over_a')} | {_ratio_cell(row, 'ratio_b_over_d')} |"
+        )
+    if notes:
+        lines += ["", "Notes (the rows each holds for):", ""]
+        lines += [f"- {text} ({'; '.join(where)})" for text, where in notes.items()]
+    timed = [(rec, f, med, len(rec["patch_timing"]["families"][f])) for rec in records
+             for f, med in rec.get("patch_timing", {}).get("median_s", {}).items()]
+    if timed:
+        lines += [
+            "",
+            "`python -m codegen patch DIR`: wall time of a cold process, median of n trials; start-up = "
+            "`python -m codegen --version` (interpreter + CLI import) in the same environment:",
+            "",
+            "| model | transformers | patch wall s |",
+            "|---|---|---|",
+        ]
+        for rec, family, med, n in timed:
+            base = rec["patch_timing"].get("startup_baseline_s")
+            lines.append(f"| {family} | {rec['machine']['transformers']} | {med:.2f} (n={n}"
+                         + (f"; start-up {base:.2f})" if base is not None else ")") + " |")
+    lines += ["", "Runs:", ""] + [f"- {_run_line(rec)}" for rec in records]
+    return "\n".join(lines) + "\n"
+
+
+def _run_line(rec: dict) -> str:
+    s = rec["settings"]
+    return (f"{rec['kind']} ({size_name(s['size'])} widths), {rec['dtype']}, batches {', '.join(map(str, s['batches']))}: "
+            f"{s['prompt_len']}-token prompt per sequence, {s['warmup']} warm-up + {s['prefill_repeats']} timed "
+            f"prefills, {s['warmup']} warm-up + {s['decode_steps']} timed decode steps; " + _machine_line(rec))
+
+
+def _machine_line(rec: dict) -> str:
+    m = rec["machine"]
+    ram = f"{m['ram_bytes'] / 2**30:.0f} GiB RAM" if m.get("ram_bytes") else "RAM unknown"
+    gpu = f", {m['gpu']}" if m.get("gpu") else ""
+    notes = [f"run wall {rec['wall_s']:.0f}s"]
+    if rec.get("deepspeed_cpu_op_compiled_during_run"):
+        notes.append("including DeepSpeed's one-time JIT compile of its CPU all-reduce op")
+    before, after = m.get("loadavg_1min_before_ranks"), m.get("loadavg_1min_after_ranks")
+    if before is not None and after is not None:
+        notes.append(f"1-min load average {before:.1f} → {after:.1f} on {m['cores']} cores")
+    return (f"transformers {m['transformers']}: {m['cpu']}, {m['cores']} cores, {ram}{gpu}, {m['os']}, "
+            f"Python {m['python']}, torch {m['torch']}, deepspeed {m['deepspeed']}; {'; '.join(notes)}")
+
+
+def chart(record_or_merged: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise BadInput("--chart needs matplotlib: pip install matplotlib (or codegen[bench])") from None
+    rows = [(rec, row) for rec, row in _rows(_records(record_or_merged)) if not row.get("not_run")]
+    labels = [f"{row['family']} {size_name(row['size'])}, tf {rec['machine']['transformers']}, "
+              f"{'bf16' if row['dtype'] == 'bfloat16' else 'fp32'}, batch {row['batch']}" for rec, row in rows]
+    y = list(range(len(rows)))
+    h = 0.27
+    fig, axes = plt.subplots(1, 4, figsize=(20, 1.6 + 0.32 * len(rows)), sharey=True)
+    colours = {"stock": "#c44e52", "codegen": "#4c72b0", "native": "#55a868"}
+    names = {"stock": "(a) stock AutoTP", "codegen": "(b) codegen", "native": "(d) transformers native TP"}
+
+    def relative(key: str):
+        return lambda f, b: f[key]["median"] / b[key]["median"]
+
+    panels = [
+        ("decode step time / codegen's (log; > 1: slower than codegen)", relative("decode"), True),
+        ("prefill time / codegen's (log)", relative("prefill"), True),
+        ("all-reduces per MoE layer, decode (log)", lambda f, b: f["allreduce_decode_per_moe_layer_mean"], True),
+        ("routed-expert MiB per rank", lambda f, b: f["param_bytes_per_rank"]["experts"] / 2**20, False),
+    ]
+    for ax, (title, value, log) in zip(axes, panels):
+        for j, (mode, _) in enumerate(SETUP_ORDER):
+            widths = []
+            for _, row in rows:
+                f, b = _present(row, mode), _present(row, "codegen")
+                widths.append(float("nan") if f is None else value(f, b))
+            ax.barh([i + (j - 1) * h for i in y], widths, h, color=colours[mode], label=names[mode])
+        if log:
+            ax.set_xscale("symlog" if "all-reduces" in title else "log", **({"linthresh": 1} if "all-reduces" in title else {}))
+        if "/ codegen" in title:
+            ax.axvline(1.0, color="black", linewidth=0.8)
+        ax.set_title(title, fontsize=9)
+        ax.tick_params(axis="x", labelsize=8)
+    axes[0].set_yticks(y)
+    axes[0].set_yticklabels(labels, fontsize=7)
+    axes[0].invert_yaxis()
+    axes[0].legend(fontsize=7, loc="lower right")
+    first = _records(record_or_merged)[0]
+    fig.suptitle(f"codegen bench: TP={first['tp']} on {first['device'].upper()}, {first['machine']['cpu']}, "
+                 f"{first['machine']['cores']} cores (missing bar: crashed or not run)", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.98))
+    try:
+        fig.savefig(path, dpi=100)
+    except OSError as exc:
+        raise IOFailure(f"cannot write {path}: {exc.strerror}") from None
+    finally:
+        plt.close(fig)
+
+
+def merge(paths: list[Path]) -> dict:
+    runs = []
+    for path in paths:
+        try:
+            data = json.loads(path.read_text())
+        except OSError as exc:
+            raise BadInput(f"{path}: {exc.strerror}") from None
+        except ValueError:
+            raise BadInput(f"{path} is not JSON: pass files written by `bench --json`") from None
+        if not isinstance(data, dict) or not ("rows" in data or "runs" in data):
+            raise BadInput(f"{path} is not a `bench --json` record of this codegen version (no rows): run it again")
+        runs += _records(data)
+    sizes = {"tiny": 0, "bench": 1, "full": 2}
+    runs.sort(key=lambda r: (sizes.get(r["settings"]["size"], 3),
+                             [int(p) if p.isdigit() else 0 for p in str(r["machine"]["transformers"]).split(".")],
+                             r["dtype"] != "float32"))
+    return {"tool": f"codegen {__version__} bench (merged)", "runs": runs}
+
+
+#: the README's copy of the results table sits between these lines (`bench --merge ... --readme README.md` refreshes it)
+README_START = "<!-- bench-table: generated by python -m codegen bench --merge docs/bench/*.json --readme README.md -->"
+README_END = "<!-- /bench-table -->"
+
+
+def results_table(text: str) -> str:
+    """The main table of `markdown()`'s output: its header row through its last row."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| model |"))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return "\n".join(lines[start:end]) + "\n"
+
+
+def splice_readme(path: Path, text: str) -> None:
+    """Replace the README's results table (between README_START and README_END) with this one."""
+    try:
+        readme = path.read_text()
+    except OSError as exc:
+        raise IOFailure(f"cannot read {path}: {exc.strerror}") from None
+    if README_START not in readme or README_END not in readme:
+        raise BadInput(f"{path} has no results table to refresh: add the lines {README_START} and {README_END}")
+    head, rest = readme.split(README_START, 1)
+    _, tail = rest.split(README_END, 1)
+    try:
+        path.write_text(f"{head}{README_START}\n{results_table(text)}{README_END}{tail}")
+    except OSError as exc:
+        raise IOFailure(f"cannot write {path}: {exc.strerror}") from None
+
+
+def write_outputs(record: dict, json_path: Path | None, md_path: Path | None, chart_path: Path | None,
+                  readme_path: Path | None = None) -> str:
+    table = markdown(record)
+    try:
+        if json_path is not None:
+            json_path.write_text(json.dumps(record, indent=2) + "\n")
+        if md_path is not None:
+            md_path.write_text(table)
+    except OSError as exc:
+        raise IOFailure(f"cannot write the benchmark output: {exc.strerror}") from None
+    if chart_path is not None:
+        chart(record, chart_path)
+    if readme_path is not None:
+        splice_readme(readme_path, table)
+    return table
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+

@@ -1,0 +1,181 @@
+"""The bench's phase: the job's setups loaded side by side on the same ranks, every timed unit run by each in turn.
+
+Setups: (a) stock DeepSpeed AutoTP on the unpatched dir, (b) the patched dir under its policy, (d) transformers'
+native TP (`tp_plan="auto"`), as `options.setups` asks. Every timed unit (a prefill, a decode step) is run by
+each setup in a rotating order (ABBA generalised), each after a barrier; decode steps are fed the reference's
+greedy tokens (teacher forcing), so every setup decodes the same sequence. Per unit: time, logits vs the
+float32 reference (absolute and relative) and greedy agreement. Collectives are counted in passes of their
+own (counting at the dispatcher costs Python time on every op, which a timed unit must not pay): the
+prefill, and the first COUNTED_DECODE_STEPS decode steps from a fresh cache, per setup and per MoE block.
+Stock and native are comparisons: a crash while loading or on the first forward is recorded and the others
+run on.
+"""
+
+from __future__ import annotations
+
+import gc
+import resource
+import time
+
+import torch
+
+from codegen.harness.memory import LOAD_ORDER
+from codegen.harness.worker.counting import per_block_counts
+from codegen.harness.worker.model_figures import cache_of, moe_blocks, param_bytes
+from codegen.harness.worker.reference import Reference, agree, relative
+from codegen.harness.worker.run import LABELS, Run, guarded
+
+#: the ab phase's setups, in load order: codegen first (its load briefly holds the whole checkpoint, freed
+#: before the others load), then transformers' native TP (loads its shard), then stock AutoTP
+SETUPS = LOAD_ORDER
+#: decode steps whose collectives are counted (from a fresh cache; the counts vary with routing for stock 4.x)
+COUNTED_DECODE_STEPS = 8
+
+
+def rotation(setups: list[str], k: int) -> list[str]:
+    """The order of timed unit k: ABBA generalised (a rotation every two units, reversed on odd units).
+
+    Two setups give a,b b,a b,a a,b ...; three give every setup every position equally often, so load
+    from other processes and order effects (caches warmed by the previous setup) hit all of them alike.
+    """
+    r = (k // 2) % len(setups)
+    seq = setups[r:] + setups[:r]
+    return seq[::-1] if k % 2 else seq
+
+
+def _load_setups(run: Run, job: dict, opts: dict, ids, wanted: list[str]) -> tuple[dict, dict, dict]:
+    """(models, records, crashes): each setup built as its user builds it; stock and native guarded."""
+    models, record, crashes = {}, {}, {}
+    for mode in wanted:
+        t0 = time.perf_counter()
+        if mode == "codegen":
+            models[mode] = run.build(mode, job, opts)
+        else:
+            def loads_and_runs(mode=mode):
+                model = run.build(mode, job, opts)
+                with torch.no_grad():
+                    model(ids[:1, :8])  # its first forward: a crash here leaves the others alone
+                return model
+
+            model, crash = guarded(run, f"{job['name']}: {LABELS[mode]}", loads_and_runs)
+            if crash is not None:
+                crashes[mode] = crash
+                continue
+            models[mode] = model
+        record[mode] = {"load_s": time.perf_counter() - t0}
+        gc.collect()
+    return models, record, crashes
+
+
+def measure_ab(run: Run, job: dict, opts: dict, ids, ref: Reference) -> dict:
+    """The setups of opts["setups"] (stock AutoTP, codegen, native TP) loaded side by side, interleaved."""
+    counter, dist = run.counter, run.dist
+    warmup, steps, repeats = opts["warmup"], opts["decode_steps"], opts["repeats"]
+    wanted = [m for m in SETUPS if m in opts.get("setups", ("stock", "codegen"))]
+    name = job["name"]
+    run.say(f"{name}: loading {', '.join(LABELS[m] for m in wanted)} on {run.tp} ranks ({run.dtype_name})")
+    models, record, crashes = _load_setups(run, job, opts, ids, wanted)
+    order_base = [m for m in ("stock", "codegen", "native") if m in models]
+    block_counts, gather_counts, hooks = {}, {}, []
+    for mode, model in models.items():
+        blocks = moe_blocks(model)
+        block_counts[mode], handles = per_block_counts(blocks, counter)
+        gather_counts[mode], more = per_block_counts(blocks, counter, "gathers")
+        hooks += handles + more
+        figures = param_bytes(model)
+        record[mode].update(bytes=figures, moe_blocks=len(blocks))
+        full = ref.bytes["experts"] * torch.empty((), dtype=run.dtype).element_size() // 4  # ref: float32
+        if run.tp > 1 and figures["experts"] and figures["experts"] >= full:
+            record[mode]["note"] = "experts not sharded (every rank holds all routed experts)"
+
+    def timed(mode, *a, **kw):
+        dist.barrier()
+        run.sync()
+        t0 = time.perf_counter()
+        output = models[mode](*a, **kw)
+        run.sync()
+        return output, time.perf_counter() - t0
+
+    def counted(mode, *a, **kw):
+        """One forward under the counter: (output, (all-reduces, other collectives), per MoE block of each)."""
+        dist.barrier()
+        counter.reset()
+        blocks_before, gathers_before = list(block_counts[mode]), list(gather_counts[mode])
+        with counter:
+            output = models[mode](*a, **kw)
+        per_block = [x - y for x, y in zip(block_counts[mode], blocks_before)]
+        per_block_gathers = [x - y for x, y in zip(gather_counts[mode], gathers_before)]
+        return output, (counter.calls, counter.gathers), (per_block, per_block_gathers)
+
+    run.say(f"{name}: prefill {ids.shape[0]}x{ids.shape[1]} tokens x {warmup} warm-up + {repeats} timed, "
+            "setups alternating")
+    with torch.no_grad():
+        for k in range(warmup):
+            for mode in rotation(order_base, k):
+                timed(mode, ids)
+        for mode in models:
+            output, (calls, gathers), (per_block, per_block_gathers) = counted(mode, ids)
+            logits = output.logits.float().cpu()
+            record[mode].update(prefill_allreduce=calls, prefill_allreduce_per_moe_block=per_block,
+                                prefill_gathers=gathers, prefill_gathers_per_moe_block=per_block_gathers,
+                                prefill_maxdiff=(logits - ref.logits).abs().max().item(),
+                                prefill_relative=relative(logits, ref.logits), prefill_s=[])
+        for k in range(repeats):
+            for mode in rotation(order_base, k):
+                record[mode]["prefill_s"].append(timed(mode, ids)[1])
+
+        counted_steps = min(warmup + steps, COUNTED_DECODE_STEPS)
+        run.say(f"{name}: decode, collectives counted over {counted_steps} steps of batch {ids.shape[0]}")
+        for mode in models:
+            cache = cache_of(models[mode](ids, use_cache=True))
+            record[mode].update(decode_allreduce=[], decode_allreduce_per_moe_block=[], decode_gathers=[],
+                                decode_gathers_per_moe_block=[])
+            for k in range(counted_steps):
+                output, (calls, gathers), (per_block, per_block_gathers) = counted(
+                    mode, ref.forced[k], past_key_values=cache, use_cache=True)
+                cache = cache_of(output)
+                r = record[mode]
+                r["decode_allreduce"].append(calls)
+                r["decode_allreduce_per_moe_block"].append(per_block)
+                r["decode_gathers"].append(gathers)
+                r["decode_gathers_per_moe_block"].append(per_block_gathers)
+            del cache
+
+        run.say(f"{name}: decode {warmup} warm-up + {steps} timed steps of batch {ids.shape[0]}, "
+                "setups alternating every step")
+        caches = {}
+        for mode in models:
+            caches[mode] = cache_of(timed(mode, ids, use_cache=True)[0])
+            record[mode].update(decode_s=[], decode_maxdiff=0.0, decode_relative=0.0, tokens_agree=0, tokens_total=0)
+        for k in range(warmup + steps):
+            for mode in rotation(order_base, k):
+                output, elapsed = timed(mode, ref.forced[k], past_key_values=caches[mode], use_cache=True)
+                caches[mode] = cache_of(output)
+                r = record[mode]
+                logits = output.logits.float().cpu()
+                r["decode_maxdiff"] = max(r["decode_maxdiff"], (logits - ref.step_logits[k]).abs().max().item())
+                r["decode_relative"] = max(r["decode_relative"], relative(logits, ref.step_logits[k]))
+                same, total = agree(logits, ref.step_logits[k])
+                r["tokens_agree"] += same
+                r["tokens_total"] += total
+                if k >= warmup:
+                    r["decode_s"].append(elapsed)
+    for h in hooks:
+        h.remove()
+    models.clear()
+    caches.clear()
+    gc.collect()
+    for mode, crash in crashes.items():
+        record[mode] = {"mode": mode, "crashed": crash}
+    return {**record, "full_bytes": ref.bytes, "batch": int(ids.shape[0]), "prompt_len": int(ids.shape[1]),
+            "dtype": run.dtype_name, "rss_peak_bytes": rss_peak(),
+            "reference": {"prefill_s": ref.prefill_s, "decode_s": ref.decode_s[warmup:],
+                          "baseline": ref.baseline}}
+
+
+def rss_peak() -> int | None:
+    """This rank's peak resident memory so far (bytes): reference, loads and every setup included."""
+    try:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    except OSError:
+        return None

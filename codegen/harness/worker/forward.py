@@ -1,0 +1,141 @@
+"""The one-forward phases of verify (no-policy, codegen, stock): one model, one counted forward, its figures.
+
+All-reduces are counted at the dispatcher (codegen.harness.worker.counting) and split per attention / MoE /
+dense MLP block and LM head; then logits against the reference, greedy tokens, per-rank parameter bytes,
+whether sharded weights are registered Parameters that pin no full-size storage, whether any full-size copy
+of a sharded weight is still alive, router weights and types, and (grad_check) the inserted reduction's
+autograd behaviour.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from codegen.harness.worker.counting import ALL_REDUCE_OPS, CollectiveCounter, per_block_counts, tally
+from codegen.harness.worker.model_figures import (decoder_layers, gate_types, gates_intact, layer_attention, layer_mlp,
+                                                  moe_blocks, param_bytes, sharding_figures)
+from codegen.harness.worker.reference import Reference, greedy
+from codegen.harness.worker.run import Run
+from codegen.policy.runtime.base import REDUCE_HELPER, REDUCER_ATTR
+
+
+def measure_built(phase: str, job: dict, run: Run, opts: dict, ids, ref: Reference, timings: dict) -> dict:
+    t = time.perf_counter()
+    model = run.build(phase, job, opts)
+    timings[f"{job['name']}/{phase}_load_s"] = time.perf_counter() - t
+    return measure(phase, model, run, opts, ids, ref)
+
+
+def measure(phase: str, model, run: Run, opts: dict, ids, ref: Reference) -> dict:
+    counter, dist = run.counter, run.dist
+    layers = decoder_layers(model)
+    blocks = moe_blocks(model)
+    block_ids = {id(b) for b in blocks}
+    groups = {
+        "attention": [layer_attention(layer) for layer in layers],
+        "moe": blocks,
+        "dense_mlp": [layer_mlp(layer) for layer in layers if id(layer_mlp(layer)) not in block_ids],
+        "lm_head": [m for m in [model.get_output_embeddings()] if m is not None],
+    }
+    hooks, counts = [], {}
+    for key, modules in groups.items():
+        counts[key], handles = per_block_counts(modules, counter)
+        hooks += handles
+    moe_entries: list[str] = []
+    for block in blocks:
+        mark = {}
+        hooks.append(block.register_forward_pre_hook(lambda _m, _a, mark=mark: mark.update(n=len(counter.log))))
+        hooks.append(block.register_forward_hook(
+            lambda _m, _a, _o, mark=mark: moe_entries.extend(counter.log[mark["n"]:])))
+    result: dict = {"mode": phase, "rank": dist.get_rank(), "world_size": dist.get_world_size(), "tp_group_size": run.tp}
+    with torch.no_grad():
+        for _ in range(opts["warmup"]):
+            model(ids)
+        dist.barrier()
+        counter.reset()
+        with counter:
+            out = model(ids)
+        result["allreduce_entries"] = tally([e for e in counter.log if e in ALL_REDUCE_OPS])
+        result["moe_allreduce_entries"] = tally([e for e in moe_entries if e in ALL_REDUCE_OPS])
+        per_forward = counter.calls
+        counts = {key: list(values) for key, values in counts.items()}
+        prefill_s = []
+        for _ in range(opts["repeats"]):
+            dist.barrier()
+            t0 = time.perf_counter()
+            model(ids)
+            prefill_s.append(time.perf_counter() - t0)
+    for h in hooks:
+        h.remove()
+    logits = out.logits.float().cpu()
+    lm_head = model.get_output_embeddings()
+    result.update({
+        "num_layers": len(layers),
+        "attention_blocks": len(groups["attention"]),
+        "moe_blocks": len(blocks),
+        "dense_mlp_blocks": len(groups["dense_mlp"]),
+        "lm_head_type": type(lm_head).__name__ if lm_head is not None else None,
+        "allreduce_per_forward": per_forward,
+        "allreduce_per_attention_block": counts["attention"],
+        "allreduce_per_moe_block": counts["moe"],
+        "allreduce_per_dense_mlp_block": counts["dense_mlp"],
+        "allreduce_lm_head": sum(counts["lm_head"]),
+        "maxdiff": (logits - ref.logits).abs().max().item(),
+        "bytes": param_bytes(model),
+        "full_bytes": ref.bytes,
+        "gates_intact": gates_intact(model, ref.gates),
+        "gate_types": gate_types(model),
+        "gate_types_reference": ref.gate_types,
+        "prefill_s": prefill_s,
+    })
+    t0 = time.perf_counter()
+    result.update(sharding_figures(model, ref, scan=phase == "codegen"))
+    t1 = time.perf_counter()
+    if opts["generate"]:
+        with torch.no_grad():
+            result["same_tokens"] = bool(torch.equal(greedy(model, ids[:1], opts["generate"]), ref.tokens))
+    result["phase_timings"] = {"sharding_figures_s": t1 - t0, "generate_s": time.perf_counter() - t1}
+    if opts["grad_check"] and phase == "codegen":
+        result["grad_check"] = grad_check(blocks, counter, dist)
+    return result
+
+
+def grad_check(blocks, counter: CollectiveCounter, dist) -> dict:
+    """Backward through the inserted reduction, called as the patched forward calls it.
+
+    Forward: the sum over the TP group (checked against a torch.distributed all-reduce on the same
+    group), through the autograd-aware all-reduce, not the no-grad fast path. Backward: the gradient
+    reaching it passes through unchanged (each rank's partial sum gets the full upstream gradient).
+    """
+    block = blocks[0]
+    reducer = getattr(block, REDUCER_ATTR, None)
+    if reducer is None:
+        return {"applicable": False}
+    inserted = getattr(sys.modules[type(block).__module__], REDUCE_HELPER)
+    rank = dist.get_rank()
+    x = torch.randn(3, 5, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+    upstream = torch.arange(15, dtype=torch.float32).reshape(3, 5)
+    counter.reset()
+    with torch.enable_grad():
+        with counter:
+            y = inserted(block, x * 1.0)
+        entries = tally(counter.log)
+        y.backward(upstream)
+    expected = x.detach().clone()
+    torch.distributed.all_reduce(expected, group=reducer.group)
+    counter.reset()
+    with torch.no_grad(), counter:
+        z = inserted(block, x.detach().clone())
+    return {
+        "applicable": True,
+        "autograd_node": type(y.grad_fn).__name__ if y.grad_fn is not None else None,
+        "grad_entries": entries,
+        "no_grad_entries": tally(counter.log),
+        "forward_is_sum": bool(torch.allclose(y.detach(), expected)),
+        "no_grad_is_sum": bool(torch.allclose(z, expected)),
+        "grad_identity": bool(torch.equal(x.grad, upstream)),
+        "group_ranks": torch.distributed.get_process_group_ranks(reducer.group),
+    }

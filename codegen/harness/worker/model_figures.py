@@ -1,0 +1,219 @@
+"""What the worker measures on a loaded model: its MoE blocks, routers, layers, parameter bytes, sharded weights.
+
+Every name comes from the family table (codegen.families): MoE block classes, router attributes, the
+decoder layer's attention and MLP attributes, fused expert Parameters.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from codegen.families import FAMILIES, moe_class_names
+from codegen.harness.memory import FUSED, ROW_PARALLEL_BIASES, is_expert_param
+from codegen.modeldir.layout import CONFIG, POLICY_FILE
+from codegen.policy.runtime.base import REDUCER_ATTR, SHARDED_FLAG
+
+MOE_CLASSES = moe_class_names()
+#: router attributes of each MoE block class (kept whole on every rank)
+ROUTERS = {cls: family.routers for family in FAMILIES.values() for cls in family.moe_classes}
+#: decoder-layer attributes holding the MLP or MoE block, every family and generation ("mlp" first)
+MLP_ATTRS = tuple(dict.fromkeys(a for family in FAMILIES.values() for a in family.moe_block_attrs))
+#: decoder-layer attributes holding an attention block (of any kind), every family
+ATTENTION_ATTRS = tuple(dict.fromkeys(a for family in FAMILIES.values() for a in family.attention_attrs))
+
+
+def model_config(directory: str) -> dict:
+    return json.loads(Path(directory, CONFIG).read_text())
+
+
+def _dtype_kw() -> str:
+    import transformers
+    from packaging.version import Version
+
+    return "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+
+
+def load(directory: str, remote: bool, dtype: torch.dtype, **extra):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=remote, **{_dtype_kw(): dtype},
+                                                **extra).eval()
+
+
+def has_remote_code(directory: str) -> bool:
+    return bool(model_config(directory).get("auto_map"))
+
+
+def load_policy(directory: str, name: str):
+    """The dir's generated autotp_policy.py, imported as a module."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(directory, POLICY_FILE))
+    policy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(policy)
+    return policy
+
+
+
+def moe_blocks(model) -> list:
+    return [m for m in model.modules() if type(m).__name__ in MOE_CLASSES]
+
+
+def router_params(model) -> dict:
+    """name -> (parameter, router module) of every router the family table names, in every MoE block."""
+    found = {}
+    for block_name, block in model.named_modules():
+        for attr in ROUTERS.get(type(block).__name__, ()):
+            router = getattr(block, attr, None)
+            if isinstance(router, torch.nn.Module):
+                for pname, p in router.named_parameters():
+                    found[f"{block_name}.{attr}.{pname}"] = (p, router)
+    return found
+
+
+def param_bytes(model) -> dict:
+    gates = set(router_params(model))
+    experts = routers = total = 0
+    for name, p in model.named_parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p  # a DTensor (native TP): this rank's shard
+        size = local.numel() * local.element_size()
+        total += size
+        if is_expert_param(name):  # the one rule, shared with the bench's memory plan
+            experts += size
+        elif name in gates:
+            routers += size
+    return {"experts": experts, "gates": routers, "rest": total - experts, "total": total}
+
+
+def gate_weights(model) -> dict:
+    return {n: p.detach().float().cpu().clone() for n, (p, _) in router_params(model).items()}
+
+
+def gate_types(model) -> dict:
+    """Class name of each router module (the module owning a gate weight)."""
+    return {n: type(module).__name__ for n, (_, module) in router_params(model).items()}
+
+
+def layer_mlp(layer):
+    """The decoder layer's MLP or MoE block, under any name the family table gives it (any generation)."""
+    for attr in MLP_ATTRS:
+        block = getattr(layer, attr, None)
+        if isinstance(block, torch.nn.Module):
+            return block
+    return None
+
+
+def layer_attention(layer):
+    """The decoder layer's attention block, of whichever kind the layer has (the table's attention attributes)."""
+    for attr in ATTENTION_ATTRS:
+        block = getattr(layer, attr, None)
+        if isinstance(block, torch.nn.Module):
+            return block
+    return None
+
+
+def decoder_layers(model) -> list:
+    return [m for m in model.modules() if layer_attention(m) is not None and layer_mlp(m) is not None]
+
+
+
+def cache_of(output):
+    """The model's KV cache from a forward output (transformers 5.x renamed `past_key_values` to `cache`)."""
+    for attr in ("past_key_values", "cache"):
+        value = getattr(output, attr, None)
+        if value is not None:
+            return value
+    return None
+
+
+
+def gates_intact(model, full_gates: dict) -> bool:
+    now = gate_weights(model)
+    return bool(full_gates) and now.keys() == full_gates.keys() and all(torch.equal(now[k], full_gates[k]) for k in now)
+
+
+def sharded_tensors(model) -> dict:
+    """name -> tensor of every weight this rank holds a shard of: DeepSpeed's TP layers, codegen's fused experts."""
+    try:
+        from deepspeed.module_inject.layers import TensorParallel_Layer
+    except ImportError:  # older DeepSpeed
+        from deepspeed.module_inject.layers import LinearAllreduce, LinearLayer
+
+        TensorParallel_Layer = (LinearAllreduce, LinearLayer)
+    found = {}
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(module, TensorParallel_Layer) and isinstance(getattr(module, "weight", None), torch.Tensor):
+            found[prefix + "weight"] = module.weight
+        if getattr(module, SHARDED_FLAG, False):
+            for attr in sorted(FUSED - ROW_PARALLEL_BIASES):
+                if isinstance(getattr(module, attr, None), torch.Tensor):
+                    found[prefix + attr] = getattr(module, attr)
+    return found
+
+
+def sharding_figures(model, ref, scan: bool = True) -> dict:
+    """Sharded weights: registered Parameters, their bytes vs. unsharded, no full-size storage alive.
+
+    `scan` walks every live object (~1 s) for tensors with the full shape of a sharded weight;
+    without it `full_size_copies_alive` is None.
+    """
+    sharded = sharded_tensors(model)
+    params = dict(model.named_parameters())
+    state = model.state_dict()
+    unregistered = [
+        n for n, t in sharded.items()
+        if not isinstance(t, torch.nn.Parameter) or params.get(n) is not t or n not in state
+        or tuple(state[n].shape) != tuple(t.shape) or state[n].data_ptr() != t.data_ptr()
+    ]
+    # a shard that is a view of the full tensor keeps the full storage alive
+    oversized = [n for n, p in params.items() if p.untyped_storage().nbytes() > p.numel() * p.element_size()]
+    sharded_bytes = sum(t.numel() * t.element_size() for t in sharded.values())
+    sharded_full = sum(ref.param_bytes.get(n, 0) for n in sharded)
+    # any other live tensor with the full shape of a sharded weight (a copy DeepSpeed or the policy kept)
+    full_shapes = {ref.shapes[n] for n, t in sharded.items() if n in ref.shapes and tuple(t.shape) != ref.shapes[n]}
+    alive = 0 if scan else None
+    alive_shapes: list[list[int]] = []
+    if scan and full_shapes:
+        gc.collect()
+        own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        own |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+        own |= {t.untyped_storage().data_ptr() for t in ref.tensors()}  # the harness's own reference copies
+        for obj in gc.get_objects():
+            try:
+                if (isinstance(obj, torch.Tensor) and not obj.is_meta and tuple(obj.shape) in full_shapes
+                        and obj.untyped_storage().data_ptr() not in own):
+                    alive += 1
+                    alive_shapes.append(list(obj.shape))
+            except Exception:  # noqa: BLE001 - tensor subclasses without storage
+                continue
+    return {
+        "tp_group_ranks": _tp_group_ranks(model),
+        "sharded_params": len(sharded),
+        "sharded_shapes": {n: [list(t.shape), list(ref.shapes.get(n, ()))] for n, t in sharded.items()},
+        "sharded_unregistered": unregistered,
+        "sharded_bytes": sharded_bytes,
+        "sharded_full_bytes": sharded_full,
+        "sharded_unknown": [n for n in sharded if n not in ref.param_bytes],
+        "oversized_storage_params": oversized,
+        "full_size_copies_alive": alive,
+        "full_size_copies_shapes": alive_shapes,
+    }
+
+
+def _tp_group_ranks(model) -> list:
+    """The distinct global-rank lists of the groups DeepSpeed's TP layers and codegen's reducers reduce over."""
+    groups = []
+    for module in model.modules():
+        reducer = getattr(module, REDUCER_ATTR, None)
+        for group in (getattr(module, "mp_group", None), getattr(reducer, "group", None)):
+            if group is None:
+                continue
+            ranks = torch.distributed.get_process_group_ranks(group)
+            if ranks not in groups:
+                groups.append(ranks)
+    return groups

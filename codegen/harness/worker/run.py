@@ -1,0 +1,93 @@
+"""What every phase of a launch shares (options, device, dtype, the counter, the process group), how each setup
+is built, and how a crash of a comparison setup is recorded on every rank instead of failing the launch."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import torch
+
+from codegen.harness.worker.counting import CollectiveCounter
+from codegen.harness.worker.model_figures import has_remote_code, load, load_policy
+from codegen.harness.worker.protocol import PROGRESS
+
+#: how progress lines name each setup of the ab phase
+LABELS = {"stock": "(a) stock AutoTP", "codegen": "(b) codegen", "native": "(d) transformers native TP"}
+
+
+class Run:
+    """What every phase of a launch shares: options, device, dtype, the counter, the process group."""
+
+    def __init__(self, spec: dict, dist, counter: CollectiveCounter) -> None:
+        self.tp = spec["tp"]
+        self.device_kind = spec.get("device", "cpu")
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.device = torch.device("cpu") if self.device_kind == "cpu" else torch.device(self.device_kind, local_rank)
+        self.dtype_name = spec.get("dtype", "float32")
+        self.dtype = getattr(torch, self.dtype_name)
+        self.dist = dist
+        self.counter = counter
+        self.rank = dist.get_rank()
+
+    def say(self, message: str) -> None:
+        if self.rank == 0:
+            print(f"{PROGRESS}{message}", flush=True)
+
+    def sync(self) -> None:
+        if self.device_kind == "cuda":
+            torch.cuda.synchronize()
+
+    def build(self, phase: str, job: dict, opts: dict):
+        """The model of one phase, sharded as that phase's user would shard it."""
+        import deepspeed
+
+        grain = {"tp_grain_size": opts["tp_grain_size"]} if opts["tp_grain_size"] else {}
+        if phase == "codegen":
+            model = load(job["model"], True, self.dtype)
+            policy = load_policy(job["model"], "codegen_autotp_policy_" + "".join(
+                c if c.isalnum() else "_" for c in job["name"]))
+            extra = {"tensor_parallel": grain} if grain else {}
+            # no dtype on CPU: the policy keeps the loaded model's (the default a user relies on; DeepSpeed's is fp16)
+            dtype = {"dtype": self.dtype} if self.device_kind != "cpu" else {}
+            return policy.init_inference(model, tp_size=self.tp, **extra, **dtype).module
+        if phase == "native":  # transformers' own TP plan over the same ranks (loads each rank's shard)
+            return load(job["reference"], has_remote_code(job["reference"]), self.dtype, tp_plan="auto")
+        if phase == "stock":
+            model = load(job["reference"], has_remote_code(job["reference"]), self.dtype)
+            return deepspeed.init_inference(model, tensor_parallel={"tp_size": self.tp, **grain}, dtype=self.dtype,
+                                            replace_with_kernel_inject=False).module
+        return load(job["model"], True, self.dtype)  # no-policy
+
+
+# ------------------------------------------------------------------------------------ a stock crash, recorded
+
+
+def crash_line(exc: BaseException) -> str:
+    """`<ExceptionType>: <first line of the message>`: what a crashed phase records."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def guarded(run: Run, what: str, section):
+    """(section(), None), or (None, crash line) on every rank when it raised on any rank.
+
+    The ranks agree with one all-reduce of a flag after the section, whether or not they raised: a
+    rank that caught the error reaches the same collective as the others (the crashes seen here happen
+    before any collective of the section, identically on every rank).
+    """
+    result, error = None, None
+    try:
+        result = section()
+    except Exception as exc:  # noqa: BLE001 - stock AutoTP's failure is a finding, not the launch's
+        error = crash_line(exc)
+        del exc
+    flag = torch.tensor([1.0 if error else 0.0], device=run.device)
+    torch.distributed.all_reduce(flag)  # not under the counter: the agreement is not the model's reduction
+    if flag.item() == 0:
+        return result, None
+    result = None
+    gc.collect()
+    error = error or "crashed on another rank"
+    run.say(f"{what}: crashed ({error}); recorded, continuing")
+    return None, error

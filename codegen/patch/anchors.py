@@ -1,0 +1,336 @@
+"""Where the one reduction goes: the MoE block of a modeling source, found and checked with libcst matchers.
+
+Detection only (nothing is rewritten here): the MoE block class the family table names, its `forward`, and the
+statement the family's anchor kind (codegen.families.ANCHOR_*) points at, found structurally rather than by
+variable names. A source where one reduction cannot cover every path through the forward is refused in one
+line (codegen.errors.BadSource) that names the line.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+
+import libcst as cst
+import libcst.matchers as m
+
+from codegen.errors import BadSource
+from codegen.families import ANCHOR_RETURNED_SUM, ANCHOR_ROUTED_FINAL, ANCHOR_SHARED_SUM, Family
+from codegen.patch.target import RewriteTarget
+from codegen.policy.runtime.base import PATCH_MARKER, REDUCE_HELPER
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """Where the reduction goes: a top-level statement of forward's body to insert after (or to wrap, a return)."""
+
+    index: int
+    variable: str
+    line: int
+
+
+def find_anchor(forward: cst.FunctionDef, target: RewriteTarget, positions, class_name: str) -> Anchor:
+    """The anchor of the family's kind in `forward` (one BadSource line where there is none, or several)."""
+    return _ANCHOR_FINDERS[target.family.anchor](forward, target, positions, class_name)
+
+
+def version_hint(target: RewriteTarget) -> str:
+    seen = f" (transformers {target.transformers_version})" if target.transformers_version else ""
+    return f"{target.display_name}{seen}; known to work: {', '.join(target.family.known_good)}"
+
+
+def parse_source(text: str, target: RewriteTarget) -> cst.Module:
+    if not text.strip():
+        raise BadSource(f"{target.display_name} is empty: expected a {target.family.model_type} modeling source")
+    # CPython's parser first: it rejects what Python could never import (and what crashes or stalls
+    # libcst's native parser: 3000 nested parentheses segfault it) with a clean error
+    try:
+        ast.parse(text)
+    except SyntaxError as exc:
+        raise BadSource(
+            f"{target.display_name} is not valid Python (line {exc.lineno}: {exc.msg}): fix the file or pass --source"
+        ) from None
+    except ValueError as exc:  # null bytes (Python < 3.12)
+        raise BadSource(f"{target.display_name} is not valid Python ({exc}): fix the file or pass --source") from None
+    except (RecursionError, MemoryError):
+        raise BadSource(f"{target.display_name} nests too deeply for Python to compile: not a modeling source") from None
+    try:
+        return cst.parse_module(text)
+    except cst.ParserSyntaxError as exc:
+        raise BadSource(
+            f"{target.display_name} is not valid Python (line {exc.raw_line}): fix the file or pass --source"
+        ) from None
+
+
+def refuse_if_already_patched(module: cst.Module, target: RewriteTarget) -> None:
+    for stmt in module.body:
+        if m.matches(stmt, m.FunctionDef(name=m.Name(REDUCE_HELPER))) or m.matches(
+            stmt, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(target=m.Name(PATCH_MARKER))])])
+        ):
+            raise BadSource(
+                f"{target.display_name} was already patched by codegen: run `python -m codegen revert` "
+                "or pass --source with the unpatched modeling file"
+            )
+
+
+def find_moe_class(module: cst.Module, target: RewriteTarget) -> cst.ClassDef:
+    names = target.family.moe_classes
+    candidates = [s for s in module.body if m.matches(s, m.ClassDef(name=m.OneOf(*[m.Name(n) for n in names])))]
+    if not candidates:
+        raise BadSource(
+            f"no MoE block ({' or '.join(names)}) in {version_hint(target)}"
+        )
+    if len(candidates) > 1:
+        # The one the model instantiates is the MoE block; the others are dead code.
+        used = [c for c in candidates if _is_instantiated(module, c.name.value)]
+        if len(used) == 1 and len({c.name.value for c in candidates}) == len(candidates):
+            return used[0]
+        found = ", ".join(c.name.value for c in candidates)
+        raise BadSource(f"two candidate MoE classes ({found}) in {target.display_name}: cannot tell which one runs")
+    return candidates[0]
+
+
+def _is_instantiated(module: cst.Module, class_name: str) -> bool:
+    return bool(m.findall(module, m.Call(func=m.Name(class_name))))
+
+
+def find_forward(moe_class: cst.ClassDef, target: RewriteTarget) -> cst.FunctionDef:
+    forwards = [s for s in moe_class.body.body if m.matches(s, m.FunctionDef(name=m.Name("forward")))]
+    if len(forwards) != 1:
+        raise BadSource(f"{moe_class.name.value} has {len(forwards)} forward methods in {version_hint(target)}")
+    return forwards[0]
+
+
+def _self_attr(attrs: tuple[str, ...]) -> m.BaseMatcherNode:
+    return m.Attribute(value=m.Name("self"), attr=m.OneOf(*[m.Name(a) for a in attrs]))
+
+
+def _mentions(node: cst.CSTNode, attrs: tuple[str, ...], names: set[str]) -> bool:
+    if m.findall(node, _self_attr(attrs)):
+        return True
+    return any(m.findall(node, m.Name(n)) for n in names)
+
+
+def _find_shared_sum_anchor(forward: cst.FunctionDef, target: RewriteTarget, positions, class_name: str) -> Anchor:
+    """Find the statement where routed experts' sum and shared expert output meet.
+
+    Structural, not by name: an assignment `T = A + B` (or `T += B`) where one operand carries the shared
+    expert output (a `self.<shared>` call, or a name assigned from one) and the other does not.
+    """
+    attrs = target.family.shared_experts
+    body = list(forward.body.body)
+    shared_names = _shared_names(body, attrs)
+
+    found: list[Anchor] = []
+    for index, stmt in enumerate(body):
+        for node in m.findall(stmt, m.Assign(targets=[m.AssignTarget(target=m.Name())]) | m.AugAssign(target=m.Name())):
+            if isinstance(node, cst.Assign):
+                value = node.value
+                if not m.matches(value, m.BinaryOperation(operator=m.Add())):
+                    continue
+                sides = [_mentions(value.left, attrs, shared_names), _mentions(value.right, attrs, shared_names)]
+                name = node.targets[0].target.value
+            else:
+                if not m.matches(node.operator, m.AddAssign()):
+                    continue
+                name = node.target.value
+                sides = [name in shared_names, _mentions(node.value, attrs, shared_names)]
+            if sides.count(True) == 1:
+                found.append(Anchor(index, name, positions[node].start.line))
+
+    if not found:
+        raise BadSource(
+            f"no recognisable expert weighted sum (routed + shared experts) in {class_name}.forward of "
+            f"{version_hint(target)}"
+        )
+    anchor = found[-1]
+    others = {a.variable for a in found if a.variable != anchor.variable}
+    if others:
+        raise BadSource(
+            f"{class_name}.forward combines the shared expert into several tensors "
+            f"({', '.join(sorted(others | {anchor.variable}))}) in {target.display_name}: cannot place one reduction"
+        )
+    for stmt in body[: anchor.index + 1]:
+        returns = m.findall(stmt, m.Return())
+        if returns:
+            line = positions[returns[0]].start.line
+            raise BadSource(
+                f"{class_name}.forward returns at line {line} before the expert sum at line {anchor.line} in "
+                f"{target.display_name}: one reduction cannot cover every path"
+            )
+    _require_bound_after(body, anchor, target, class_name)
+    return anchor
+
+
+def _shared_names(body: list[cst.BaseStatement], attrs: tuple[str, ...]) -> set[str]:
+    """Names that carry the shared expert output, to a fixed point (`s = self.shared(x)`; `s = g * s`)."""
+    shared_names: set[str] = set()
+    assigns = [a for stmt in body for a in m.findall(stmt, m.Assign(targets=[m.AssignTarget(target=m.Name())]))]
+    changed = True
+    while changed:
+        changed = False
+        for assign in assigns:
+            name = assign.targets[0].target.value
+            if name in shared_names or m.matches(assign.value, m.BinaryOperation(operator=m.Add())):
+                continue
+            if _mentions(assign.value, attrs, shared_names):
+                shared_names.add(name)
+                changed = True
+    return shared_names
+
+
+def _binds(node: cst.CSTNode, name: str) -> bool:
+    """Whether `node` assigns `name` (plain, augmented or annotated assignment, loop or `with` target)."""
+    target = m.Name(name)
+    return bool(
+        m.findall(node, m.AssignTarget(target=target))
+        or m.findall(node, m.AssignTarget(target=m.Tuple(elements=[m.ZeroOrMore(), m.Element(target), m.ZeroOrMore()])))
+        or m.findall(node, m.AugAssign(target=target) | m.AnnAssign(target=target) | m.For(target=target))
+        or m.findall(node, m.AsName(name=target))
+    )
+
+
+def _require_bound_after(
+    body: list[cst.BaseStatement], anchor: Anchor, target: RewriteTarget, class_name: str
+) -> None:
+    """A sum inside one branch of an `if` is reduced after the whole `if`: every path must bind the tensor.
+
+    `if c: y = y + s` is fine when `y` was bound before the `if`; `if c: y = r + s` / `else: y = r` too.
+    `if c: y = r + s` / `else: z = r` is not: after the `if`, `y` is unbound on the `else` path.
+    """
+    stmt = body[anchor.index]
+    if not isinstance(stmt, cst.If) or any(_binds(s, anchor.variable) for s in body[: anchor.index]):
+        return
+    branches: list[cst.BaseSuite] = []
+    node: cst.If | cst.Else | None = stmt
+    while isinstance(node, cst.If):
+        branches.append(node.body)
+        node = node.orelse
+    if node is None or not all(_binds(b, anchor.variable) for b in [*branches, node.body]):
+        raise BadSource(
+            f"{class_name}.forward binds `{anchor.variable}` in only some branches of the `if` that holds the "
+            f"expert sum (line {anchor.line}) in {target.display_name}: one reduction after it cannot cover every path"
+        )
+
+
+def _find_routed_final_anchor(forward: cst.FunctionDef, target: RewriteTarget, positions, class_name: str) -> Anchor:
+    """No shared expert: the routed experts' output is the block's output; reduce it once it is complete.
+
+    Structural: a top-level `T = ...self.<experts>(...)...` (transformers 5.x, fused experts called once), or
+    a top-level loop that mentions `self.<experts>` and accumulates into a name bound before it
+    (`T.index_add_(...)`, `T += ...`, `T[i] += ...`: transformers 4.x, one expert per iteration).
+    """
+    experts = (target.family.experts_attr,)
+    body = list(forward.body.body)
+    found: list[Anchor] = []
+    for index, stmt in enumerate(body):
+        if m.matches(stmt, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(target=m.Name())])])):
+            assign = stmt.body[0]
+            if m.findall(assign.value, m.Call(func=_self_attr(experts))):
+                found.append(Anchor(index, assign.targets[0].target.value, positions[assign].start.line))
+        elif isinstance(stmt, (cst.For, cst.While)) and m.findall(stmt, _self_attr(experts)):
+            for name in _accumulated_names(stmt):
+                if any(_binds(s, name) for s in body[:index]):
+                    found.append(Anchor(index, name, positions[stmt].start.line))
+
+    if not found:
+        raise BadSource(
+            f"no recognisable routed experts output (`T = self.{experts[0]}(...)` or a loop over the experts "
+            f"accumulating into `T`) in {class_name}.forward of {version_hint(target)}"
+        )
+    variables = {a.variable for a in found}
+    if len(found) > 1:
+        raise BadSource(
+            f"{class_name}.forward computes the routed experts' output {len(found)} times "
+            f"({', '.join(sorted(variables))}, lines {', '.join(str(a.line) for a in found)}) in "
+            f"{target.display_name}: cannot place one reduction"
+        )
+    anchor = found[0]
+    for stmt in body[: anchor.index + 1]:
+        returns = m.findall(stmt, m.Return())
+        if returns:
+            line = positions[returns[0]].start.line
+            raise BadSource(
+                f"{class_name}.forward returns at line {line} before the routed experts' output at line "
+                f"{anchor.line} in {target.display_name}: one reduction cannot cover every path"
+            )
+    return anchor
+
+
+def _accumulated_names(loop: cst.For | cst.While) -> list[str]:
+    """Names a loop accumulates into in place: `T.index_add_(...)`, `T += x`, `T[i] += x`."""
+    names: list[str] = []
+    for call in m.findall(loop, m.Call(func=m.Attribute(value=m.Name(), attr=m.Name("index_add_")))):
+        names.append(call.func.value.value)
+    for aug in m.findall(loop, m.AugAssign(operator=m.AddAssign())):
+        base = aug.target.value if isinstance(aug.target, cst.Subscript) else aug.target
+        if isinstance(base, cst.Name):
+            names.append(base.value)
+    return list(dict.fromkeys(names))
+
+
+def _find_returned_sum_anchor(forward: cst.FunctionDef, target: RewriteTarget, positions, class_name: str) -> Anchor:
+    """The routed + shared sum is the returned value (`return routed + shared`, or a tuple's first element).
+
+    Structural, as for `shared_sum`: one operand carries the shared expert output and the other does not.
+    The forward must have exactly one `return`, at its top level, so every path goes through the reduction.
+    """
+    attrs = target.family.shared_experts
+    body = list(forward.body.body)
+    shared_names = _shared_names(body, attrs)
+    returns = [r for stmt in body for r in m.findall(stmt, m.Return())]
+    if len(returns) != 1 or not m.matches(body[-1], m.SimpleStatementLine(body=[m.Return()])):
+        lines = ", ".join(str(positions[r].start.line) for r in returns) or "none"
+        raise BadSource(
+            f"{class_name}.forward must end in its only `return` for the returned expert sum to be reduced once "
+            f"(returns at lines {lines}) in {version_hint(target)}"
+        )
+    value = _returned_sum(returns[0])
+    if value is None or [_mentions(value.left, attrs, shared_names),
+                         _mentions(value.right, attrs, shared_names)].count(True) != 1:
+        raise BadSource(
+            f"no recognisable returned expert sum (`return routed + shared`) in {class_name}.forward of "
+            f"{version_hint(target)}"
+        )
+    return Anchor(len(body) - 1, "return value", positions[returns[0]].start.line)
+
+
+def _returned_sum(ret: cst.Return) -> cst.BinaryOperation | None:
+    """The `a + b` a return statement returns, alone or as the first element of a tuple."""
+    value = ret.value
+    if isinstance(value, cst.Tuple) and value.elements:
+        value = value.elements[0].value
+    return value if m.matches(value, m.BinaryOperation(operator=m.Add())) else None
+
+
+def has_fused_experts(module: cst.Module, moe_class: cst.ClassDef, family: Family) -> bool:
+    """Fused 3-D experts (transformers 5.x; gpt_oss in every release), recognised by the family's layout.
+
+    The MoE block builds `self.<experts> = SomeExperts(...)`; that class, in this module, must assign every
+    Parameter the layout names (`self.<gate_up> = nn.Parameter(...)`, `self.<down> = ...`, and the biases).
+    """
+    built = m.findall(
+        moe_class,
+        m.Assign(targets=[m.AssignTarget(target=_self_attr((family.experts_attr,)))], value=m.Call(func=m.Name())),
+    )
+    classes = {b.value.func.value for b in built}
+    parameter = m.Call(func=m.Attribute(attr=m.Name("Parameter")) | m.Name("Parameter"))
+    for stmt in module.body:
+        if not (isinstance(stmt, cst.ClassDef) and stmt.name.value in classes):
+            continue
+        assigned = {
+            a.targets[0].target.attr.value
+            for a in m.findall(stmt, m.Assign(targets=[m.AssignTarget(target=m.Attribute(value=m.Name("self")))],
+                                              value=parameter))
+        }
+        if set(family.fused.parameters) <= assigned:
+            return True
+    return False
+
+
+#: anchor kind (codegen.families.ANCHOR_*) -> the finder that places the reduction
+_ANCHOR_FINDERS = {
+    ANCHOR_SHARED_SUM: _find_shared_sum_anchor,
+    ANCHOR_ROUTED_FINAL: _find_routed_final_anchor,
+    ANCHOR_RETURNED_SUM: _find_returned_sum_anchor,
+}

@@ -1,0 +1,141 @@
+"""config.json as `patch` reads it: parsed, its family found, its sizes checked, and the keys `patch` changes.
+
+Implausible configs are refused here in one line (codegen.errors.BadInput): a missing or non-integer size,
+top-k above the number of experts, no MoE layer left by the family's layer-selection keys.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from codegen.errors import BadInput
+from codegen.families import FAMILIES, KNOB, Family, normalise_model_type
+from codegen.modeldir.layout import CONFIG
+
+
+def parse_config(data: bytes | None, directory: Path) -> dict:
+    if data is None:
+        raise BadInput(f"{directory / CONFIG} not found: point codegen at a Hugging Face model dir")
+    try:
+        config = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise BadInput(f"{directory / CONFIG} is not valid JSON ({exc}): fix or re-download it") from None
+    except RecursionError:
+        raise BadInput(f"{directory / CONFIG} is nested too deeply to be a model config: fix or re-download it") from None
+    if not isinstance(config, dict):
+        raise BadInput(f"{directory / CONFIG} is not a JSON object: fix or re-download it")
+    if config.get("auto_map") is not None and not isinstance(config["auto_map"], dict):
+        raise BadInput(f"{directory / CONFIG}: auto_map must be a JSON object, got {config['auto_map']!r}")
+    return config
+
+
+def family_of(config: dict, directory: Path) -> Family:
+    raw = config.get("model_type")
+    key = normalise_model_type(raw)
+    if key is None:
+        raise BadInput(f"{directory / CONFIG}: model_type {raw!r} is not supported yet{_nearest(raw)}; "
+                       f"stock DeepSpeed AutoTP still runs the unpatched dir (supported: {', '.join(sorted(FAMILIES))})")
+    family = FAMILIES[key]
+    _validate_sizes(config, family, directory)
+    return family
+
+
+def _nearest(raw: object) -> str:
+    """`qwen3_next` -> ` (nearest supported family: qwen3_moe)`: the table's relatives, else a near spelling."""
+    if not isinstance(raw, str):
+        return ""
+    import difflib
+
+    key = raw.strip().lower().replace("-", "_")
+    related = [name for name, family in FAMILIES.items() if key in family.relatives]
+    close = related or difflib.get_close_matches(key, list(FAMILIES), n=1, cutoff=0.8)
+    return f" (nearest supported family: {close[0]})" if close else ""
+
+
+def sizes_of(config: dict) -> dict:
+    """The keys sizes are read from: a multimodal config nests its language model's in `text_config`."""
+    text = config.get("text_config")
+    return {**text, **config} if isinstance(text, dict) else config
+
+
+def _validate_sizes(config: dict, family: Family, directory: Path) -> None:
+    where = directory / CONFIG
+    sizes = sizes_of(config)
+    if not any(k in sizes for k in family.num_experts_keys):
+        raise BadInput(f"{where}: missing {family.num_experts_keys[0]} (number of routed experts): not an MoE config")
+    for key in family.positive_int_keys:
+        if key not in sizes:
+            continue
+        value = sizes[key]
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise BadInput(f"{where}: {key} must be a positive integer, got {value!r}")
+        if value <= 0:
+            raise BadInput(f"{where}: {key} must be a positive integer, got {value}")
+    experts_key = next(k for k in family.num_experts_keys if k in sizes)
+    experts = sizes[experts_key]
+    top_k_key = next((k for k in family.top_k_keys if k in sizes), None)
+    if isinstance(experts, int) and top_k_key is not None and isinstance(sizes[top_k_key], int) \
+            and sizes[top_k_key] > experts:
+        raise BadInput(f"{where}: {top_k_key} = {sizes[top_k_key]} exceeds {experts_key} = {experts}: "
+                       "each token cannot reach more experts than exist; fix config.json")
+    layers = sizes.get(family.num_layers_key)
+    if isinstance(layers, int) and layers > 0 and isinstance(experts, int) and not moe_layers(sizes, family):
+        raise BadInput(f"{where}: no layer of {layers} is an MoE layer (see {_layer_keys(family)}): "
+                       "there is nothing for codegen to coalesce")
+
+
+def moe_layers(sizes: dict, family: Family) -> list[int]:
+    """The decoder layers that hold an MoE block, by the family's layer-selection keys."""
+    dense = sizes.get(family.dense_layers_key) if family.dense_layers_key else None
+    dense = set(dense) if isinstance(dense, list) else set()
+    step = sizes.get(family.sparse_step_key) if family.sparse_step_key else None
+    first = sizes.get(family.first_dense_key) if family.first_dense_key else None
+    freq = sizes.get(family.moe_freq_key) if family.moe_freq_key else None
+    out = []
+    for i in range(sizes[family.num_layers_key]):
+        if i in dense:
+            continue
+        if isinstance(step, int) and step > 0 and (i + 1) % step:
+            continue
+        if isinstance(first, int) and i < first:
+            continue
+        if isinstance(freq, int) and freq > 0 and i % freq:
+            continue
+        out.append(i)
+    return out
+
+
+def _layer_keys(family: Family) -> str:
+    keys = [k for k in (family.dense_layers_key, family.sparse_step_key, family.first_dense_key,
+                        family.moe_freq_key) if k]
+    return ", ".join([family.num_layers_key, *keys])
+
+
+def config_updates(original: dict, family: Family, module: str, coalesce: bool) -> tuple[dict, dict]:
+    """The keys `patch` sets in config.json, and the original value of each one it changes."""
+    auto_map = dict(original.get("auto_map") or {})
+    for auto_class, cls in family.auto_classes.items():
+        auto_map[auto_class] = f"{module}.{cls}"
+    updates = {"auto_map": auto_map, KNOB: coalesce, "model_type": family.model_type}
+    updates = {k: v for k, v in updates.items() if original.get(k, _MISSING) != v}
+    changed = {k: {"existed": k in original, "value": original.get(k)} for k in updates}
+    return updates, changed
+
+
+_MISSING = object()
+
+
+def restore_info(original: dict, family: Family) -> dict:
+    """What the patched modeling file records so `revert` can undo config.json without `.codegen/`: the
+    original value of each auto_map entry codegen overwrites (absent: it did not exist) and a changed
+    model_type. Only values the entry points at, never the rest of the config."""
+    auto_map = original.get("auto_map") or {}
+    info: dict[str, Any] = {}
+    replaced = {k: auto_map[k] for k in sorted(family.auto_classes) if auto_map.get(k) is not None}
+    if replaced:
+        info["auto_map"] = replaced
+    if original.get("model_type") != family.model_type:
+        info["model_type"] = original.get("model_type")
+    return info

@@ -1,0 +1,21 @@
+"""What is being rewritten: the family, where the source lives and what it may import relatively."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from codegen.families import Family
+
+
+@dataclass(frozen=True)
+class RewriteTarget:
+    """Where the source lives and what it may import relatively, so imports can be made absolute."""
+
+    family: Family
+    #: absolute package of the source, e.g. `transformers.models.qwen2_moe`
+    package: str
+    #: module names shipped next to the patched file in the model dir (relative imports to them stay)
+    shipped_modules: frozenset[str]
+    #: how to name the source in error messages
+    display_name: str
+    transformers_version: str | None = None

@@ -1,0 +1,229 @@
+"""The edits of a modeling source, one small libcst transformer each; they touch only what they must.
+
+- `InsertCoalescedReduction`: `T = _codegen_moe_all_reduce(self, T)` after the anchor statement of the MoE
+  block's forward; `WrapReturnedSum`: the same around a routed + shared sum built inside the `return`;
+- `AbsolutizeImports`: relative imports become `transformers.` imports, so the file loads as remote code;
+- `DeclareNativeLoading`: for transformers 5.x sources (fused 3-D experts), the override that keeps
+  transformers' checkpoint conversion mapping;
+- `AddModuleBlock`: the generated helper block after the module's leading imports;
+- `InsertVersionGuard`: for transformers' own sources, the release guard before everything but the docstring
+  and `from __future__` imports.
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+import libcst.matchers as m
+from libcst.helpers import get_absolute_module_from_package, get_full_name_for_node
+
+from codegen.patch.anchors import Anchor
+from codegen.policy.runtime.base import REDUCE_HELPER
+
+#: the class method `DeclareNativeLoading` adds (transformers asks it whether a class is remote code)
+NATIVE_LOADING_METHOD = "is_custom_code"
+#: the function `InsertVersionGuard` adds and calls (templates/modeling_guard.py.j2 defines it)
+VERSION_GUARD = "_codegen_require_transformers"
+
+
+class _MoEForwardTransformer(cst.CSTTransformer):
+    """Base for edits of one MoE block's `forward`: the very node detection found (codegen.patch.anchors: the
+    method of the top-level class the table names), matched by identity; nothing else is visited."""
+
+    def __init__(self, moe_class: cst.ClassDef, forward: cst.FunctionDef, anchor: Anchor, comment: str) -> None:
+        super().__init__()
+        self.moe_class = moe_class
+        self.forward = forward
+        self.anchor = anchor
+        self.comment = comment
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> bool:
+        return node is self.moe_class
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        return False  # the forward's body is edited whole on the way out
+
+    def leave_FunctionDef(self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef) -> cst.FunctionDef:
+        if original_node is not self.forward:
+            return updated_node
+        body = self.rewrite_forward(list(updated_node.body.body))
+        return updated_node.with_changes(body=updated_node.body.with_changes(body=body))
+
+    def rewrite_forward(self, body: list[cst.BaseStatement]) -> list[cst.BaseStatement]:
+        raise NotImplementedError
+
+
+class InsertCoalescedReduction(_MoEForwardTransformer):
+    """`T = _codegen_moe_all_reduce(self, T)` right after the MoE block's anchor statement."""
+
+    def rewrite_forward(self, body: list[cst.BaseStatement]) -> list[cst.BaseStatement]:
+        var = cst.Name(self.anchor.variable)
+        reduction = cst.SimpleStatementLine(
+            body=[cst.Assign(targets=[cst.AssignTarget(var)], value=reduced(var))],
+            leading_lines=[cst.EmptyLine(comment=cst.Comment(self.comment))],
+        )
+        body.insert(self.anchor.index + 1, reduction)
+        return body
+
+
+class WrapReturnedSum(_MoEForwardTransformer):
+    """`return a + b` -> `return _codegen_moe_all_reduce(self, a + b)` in the MoE block's forward (a tuple's
+    first element likewise): the reduction sits on the one path out, and no statement is split or renamed."""
+
+    def rewrite_forward(self, body: list[cst.BaseStatement]) -> list[cst.BaseStatement]:
+        line = body[self.anchor.index]
+        ret = line.body[0]
+        if isinstance(ret.value, cst.Tuple):
+            first = ret.value.elements[0]
+            value = ret.value.with_changes(elements=[first.with_changes(value=reduced(first.value)),
+                                                     *ret.value.elements[1:]])
+        else:
+            value = reduced(ret.value)
+        comment = cst.EmptyLine(comment=cst.Comment(self.comment))
+        body[self.anchor.index] = line.with_changes(
+            body=[ret.with_changes(value=value)], leading_lines=[*line.leading_lines, comment]
+        )
+        return body
+
+
+def reduced(expr: cst.BaseExpression) -> cst.Call:
+    """`_codegen_moe_all_reduce(self, expr)`."""
+    bare = expr.with_changes(lpar=[], rpar=[])
+    return cst.Call(func=cst.Name(REDUCE_HELPER), args=[cst.Arg(cst.Name("self")), cst.Arg(bare)])
+
+
+class AbsolutizeImports(cst.CSTTransformer):
+    """`from ...x import y` -> `from transformers.x import y`, anywhere in the file, unless shipped in the dir."""
+
+    def __init__(self, package: str, shipped_modules: frozenset[str]) -> None:
+        super().__init__()
+        self.package = package
+        self.shipped = shipped_modules
+        self.changed: list[str] = []
+
+    def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> bool:
+        return any(isinstance(stmt, cst.ImportFrom) for stmt in node.body)  # expressions never hold an import
+
+    def leave_ImportFrom(self, original_node: cst.ImportFrom, updated_node: cst.ImportFrom) -> cst.ImportFrom:
+        level = len(updated_node.relative)
+        if level == 0:
+            return updated_node
+        tail = get_full_name_for_node(updated_node.module) if updated_node.module is not None else None
+        if level == 1 and (tail or "").split(".")[0] in self.shipped:
+            return updated_node
+        absolute = get_absolute_module_from_package(self.package, tail, level)
+        if absolute is None:
+            return updated_node  # beyond the top package: leave it, the loader will say so
+        self.changed.append(absolute)
+        return updated_node.with_changes(relative=[], module=cst.parse_expression(absolute))
+
+
+class DeclareNativeLoading(cst.CSTTransformer):
+    """transformers 5.x skips its checkpoint conversion mapping for custom code; this file *is* its code.
+
+    Declaring the `*PreTrainedModel` base native makes hub-format per-expert weights load into the fused
+    3-D experts exactly as for the built-in class (no UNEXPECTED/MISSING keys, nothing left random).
+    """
+
+    METHOD = (
+        "@classmethod\n"
+        f"def {NATIVE_LOADING_METHOD}(cls) -> bool:\n"
+        "    # codegen: transformers' own modeling code plus one guarded all-reduce; keep its checkpoint\n"
+        "    # conversion mapping (hub per-expert weights -> fused experts) as for the built-in class.\n"
+        "    return False\n"
+    )
+
+    def __init__(self, suffix: str) -> None:
+        super().__init__()
+        self.suffix = suffix
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> bool:
+        return False  # only top-level classes are declared; their bodies are edited whole on the way out
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        return False
+
+    def leave_ClassDef(self, original_node: cst.ClassDef, updated_node: cst.ClassDef) -> cst.ClassDef:
+        if not original_node.name.value.endswith(self.suffix):
+            return updated_node
+        if not any(m.matches(b.value, m.Name("PreTrainedModel")) for b in original_node.bases):
+            return updated_node
+        method = cst.parse_statement(self.METHOD).with_changes(leading_lines=[cst.EmptyLine(indent=False)])
+        # a class body of only `...`/docstring keeps it; the method goes last so the diff stays small
+        body = [*updated_node.body.body, method]
+        return updated_node.with_changes(body=updated_node.body.with_changes(body=body))
+
+
+def _is_import(stmt: cst.CSTNode) -> bool:
+    return m.matches(stmt, m.SimpleStatementLine(body=[m.OneOf(m.Import(), m.ImportFrom())]))
+
+
+def _is_docstring(stmt: cst.CSTNode) -> bool:
+    return m.matches(stmt, m.SimpleStatementLine(body=[m.Expr(m.SimpleString())]))
+
+
+class _ModuleLevel(cst.CSTTransformer):
+    """An edit of the module's top-level statement list only: nothing below it is visited."""
+
+    def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> bool:
+        return False
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> bool:
+        return False
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        return False
+
+    def visit_If(self, node: cst.If) -> bool:
+        return False
+
+    def visit_Try(self, node: cst.Try) -> bool:
+        return False
+
+
+class AddModuleBlock(_ModuleLevel):
+    """The generated helper block goes right after the module's leading imports."""
+
+    def __init__(self, block: cst.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
+        body = list(updated_node.body)
+        last_import = -1
+        for i, stmt in enumerate(body):
+            if _is_import(stmt):
+                last_import = i
+            elif _is_docstring(stmt) and last_import < 0:
+                continue
+            elif last_import >= 0:
+                break
+        block = list(self.block.body)
+        block[0] = block[0].with_changes(
+            leading_lines=[cst.EmptyLine(), cst.EmptyLine(), *self.block.header, *block[0].leading_lines]
+        )
+        return updated_node.with_changes(body=body[: last_import + 1] + block + body[last_import + 1 :])
+
+
+class InsertVersionGuard(_ModuleLevel):
+    """The release guard before the first statement that is neither the docstring nor a `from __future__`
+    import: before the imports, which are what breaks first under another transformers release."""
+
+    def __init__(self, guard: cst.Module) -> None:
+        super().__init__()
+        self.guard = guard
+
+    def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
+        body = list(updated_node.body)
+        at = 0
+        while at < len(body) and ((at == 0 and _is_docstring(body[at])) or m.matches(
+                body[at], m.SimpleStatementLine(body=[m.ImportFrom(module=m.Name("__future__"))]))):
+            at += 1
+        guard = list(self.guard.body)
+        if at < len(body):  # the comments and blank lines above that statement now lead the guard
+            first = body[at]
+            guard[0] = guard[0].with_changes(leading_lines=[*first.leading_lines, *self.guard.header,
+                                                            *guard[0].leading_lines])
+            body[at] = first.with_changes(leading_lines=[cst.EmptyLine(), cst.EmptyLine()])
+        else:
+            guard[0] = guard[0].with_changes(leading_lines=[*self.guard.header, *guard[0].leading_lines])
+        return updated_node.with_changes(body=body[:at] + guard + body[at:])

@@ -1,0 +1,31 @@
+"""The names every part of the policy runtime shares, and the names the rewriter and the harness share with it.
+
+The runtime is assembled from these parts into each model dir's `autotp_policy.py` (codegen.policy.assemble),
+where it must stand alone: so it is the one definition of the names the generated modeling code, the
+rewriter (codegen.patch) and the measuring harness (codegen.harness) agree on, and they import them from here.
+Only the standard library: the CLI imports this part on its fast path.
+"""
+
+#: the DeepSpeed releases this runtime is tested with (pyproject.toml declares the same range)
+SUPPORTED_DEEPSPEED = "deepspeed>=0.16.9,<0.20"
+
+#: the helper the rewrite inserts into a patched modeling file (templates/modeling_block.py.j2 defines it)
+REDUCE_HELPER = "_codegen_moe_all_reduce"
+#: the record the rewrite puts into a patched modeling file (family, what it replaced in config.json)
+PATCH_MARKER = "_CODEGEN_PATCH"
+#: the reducer the policy attaches to each MoE block, which the inserted helper calls
+REDUCER_ATTR = "_codegen_tp_reducer"
+#: set on fused expert modules once the policy sharded them
+SHARDED_FLAG = "_codegen_sharded"
+
+#: fused (transformers 5.x) expert layouts, by what their 3-D Parameters hold (codegen.families names them per
+#: family; codegen.policy.runtime.experts shards each):
+#: gate_up [E, 2I, H] (gate rows, then up rows), down [E, H, I]
+FUSED_GATE_UP_ROWS = "gate_up_rows"
+#: gate_up [E, H, 2I] with gate/up interleaved along the last dim (gate = [..., ::2], up = [..., 1::2]),
+#: down [E, I, H]; optional biases gate_up_bias [E, 2I] and down_bias [E, H]
+FUSED_GATE_UP_INTERLEAVED_COLS = "gate_up_interleaved_cols"
+
+
+class PolicyError(RuntimeError):
+    """A problem the user can fix; its message is one line."""

@@ -1,0 +1,162 @@
+"""`init_inference`: shard a codegen-patched MoE model with DeepSpeed AutoTP and reduce once per MoE layer.
+
+The entry point of the generated `autotp_policy.py`. Its header (templates/autotp_policy.py.j2) defines
+`LAYOUT` (the family's layout, plain data from codegen.families), `KNOB` (the config key that turns the
+single reduction on) and `MODELING_MODULE` (the patched module the policy is written beside); imported as a
+module, there is no header and `shard_model` takes the layout explicitly (the unit tests do).
+"""
+
+import sys
+
+from codegen.policy.runtime.attention import (check_replicated, detach_replicated, head_param_owners, reattach,
+                                              shard_head_params)
+from codegen.policy.runtime.base import PATCH_MARKER, REDUCER_ATTR, SUPPORTED_DEEPSPEED, PolicyError
+from codegen.policy.runtime.experts import shard_experts
+from codegen.policy.runtime.groups import CoalescedAllReduce, TensorParallelGroups, keep_reductions_in_group
+from codegen.policy.runtime.probe import deepspeed_problems, lookup
+from codegen.policy.runtime.shm import own_shm_buffer, remove_at_exit
+
+
+def init_inference(model, tp_size, dtype=None, **deepspeed_kwargs):
+    """Shard `model` over `tp_size` ranks with DeepSpeed AutoTP and reduce once per MoE layer.
+
+    Wraps `deepspeed.init_inference` (AutoTP, no kernel injection); extra keyword arguments go to it.
+    `dtype=None` keeps the model's dtype (DeepSpeed alone would convert it to float16).
+    Ranks form tensor-parallel groups of `tp_size` consecutive ranks (one node's GPUs under the
+    `deepspeed` launcher); every reduction stays inside its own group.
+    """
+    return shard_model(model, tp_size, dtype, deepspeed_kwargs, header_value("LAYOUT", {}), header_value("KNOB", ""))
+
+
+def header_value(name, default):
+    """`LAYOUT`, `KNOB` or `MODELING_MODULE` as the generated header above this text set it.
+
+    Read, never re-assigned here, so the header's literals stay the only assignments of those names;
+    imported as a module (or assembled without a header) there is none and `default` is returned.
+    """
+    return globals().get(name, default)
+
+
+def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
+    """`init_inference` with the layout and knob given explicitly."""
+    layout = _checked_layout(layout)
+    deepspeed, dist = _import_deepspeed()
+    check_patched(model, layout)
+    check_sizes(model.config, tp_size, layout)
+    if not dist.is_initialized():
+        deepspeed.init_distributed()
+    coalesce = bool(getattr(model.config, knob, False))
+    blocks = moe_blocks(model, layout)
+    if coalesce and not blocks:
+        raise PolicyError(f"no {' / '.join(layout['moe_classes'])} blocks in the model: "
+                          f"was it patched for {layout['family']}?")
+
+    tensor_parallel = dict(deepspeed_kwargs.pop("tensor_parallel", None) or {})
+    user_group = tensor_parallel.pop("tp_group", None)
+    tensor_parallel["tp_size"] = tp_size
+    if "mpu" not in tensor_parallel:
+        tensor_parallel["mpu"] = TensorParallelGroups(dist, tp_size, user_group)
+    group = tensor_parallel["mpu"].get_model_parallel_group()
+    # DeepSpeed's AutoTP shards with `tp_group`; the engine takes its group from `mpu`: give both the same.
+    tensor_parallel["tp_group"] = group
+    world = dist.get_world_size(group=group)
+    if world != tp_size:
+        raise PolicyError(f"the tensor-parallel group given has {world} ranks, tp_size is {tp_size}")
+    several_groups = world != dist.get_world_size()
+    shm_buffer = own_shm_buffer(dist.get_rank())
+    probe_deepspeed(deepspeed, shm_in_use=shm_buffer is not None)
+    if shm_buffer is not None:
+        remove_at_exit(shm_buffer)
+    deepspeed_kwargs.setdefault("replace_with_kernel_inject", False)
+    deepspeed_kwargs["dtype"] = dtype if dtype is not None else next(model.parameters()).dtype
+
+    owners = head_param_owners(model, layout)
+    kept = detach_replicated(model, blocks, layout)
+    try:
+        engine = deepspeed.init_inference(model, tensor_parallel=tensor_parallel, **deepspeed_kwargs)
+    finally:
+        reattach(kept, deepspeed_kwargs["dtype"])
+    if getattr(engine, "mp_group", None) is not group:
+        raise PolicyError("deepspeed.init_inference did not take its tensor-parallel group from `mpu`: "
+                          f"unsupported DeepSpeed, use {SUPPORTED_DEEPSPEED}")
+    keep_reductions_in_group(lookup(deepspeed, "comm.comm.cdb"), dist, several_groups)
+    column = lookup(deepspeed, "module_inject.layers.LinearLayer")
+    row = lookup(deepspeed, "module_inject.layers.LinearAllreduce")
+    rank = dist.get_rank(group=group)
+    if world > 1:  # knob on or off: attention would mix this rank's heads with every head's parameters
+        shard_head_params(owners, dist, group, rank, world, column)
+    if coalesce and world > 1:
+        reducer = CoalescedAllReduce(dist, group, world)
+        for name, block in blocks:
+            shard_experts(block, name, rank, world, layout, column, row)
+            setattr(block, REDUCER_ATTR, reducer)
+    check_replicated(kept)
+    return engine
+
+
+
+def _checked_layout(layout):
+    keys = ("family", "moe_classes", "experts", "per_expert", "fused", "shared", "routers",
+            "attention_replicated", "tp_divisible")
+    missing = [k for k in keys if k not in (layout or {})]
+    if missing:
+        raise PolicyError(f"the policy's layout lacks {', '.join(missing)}: re-run `python -m codegen patch`")
+    return layout
+
+
+def _import_deepspeed():
+    try:
+        import deepspeed
+        import deepspeed.comm as dist
+    except ImportError:
+        raise PolicyError("DeepSpeed is not installed: pip install deepspeed") from None
+    return deepspeed, dist
+
+
+def check_patched(model, layout, modeling_module=None):
+    """The model comes from a dir codegen patched for this family (its module carries `_CODEGEN_PATCH`)."""
+    module_name = type(model).__module__
+    patch = getattr(sys.modules.get(module_name), PATCH_MARKER, None)
+    if not isinstance(patch, dict):
+        raise PolicyError(
+            f"{type(model).__name__} was not loaded from a codegen-patched dir: "
+            "use AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)"
+        )
+    family = layout["family"]
+    if patch.get("family") != family:
+        raise PolicyError(f"model was patched for {patch.get('family')!r}, this policy is for {family!r}: re-run patch")
+    expected = header_value("MODELING_MODULE", "") if modeling_module is None else modeling_module
+    if expected and module_name.rsplit(".", 1)[-1] != expected:
+        raise PolicyError(f"model was loaded from {module_name.rsplit('.', 1)[-1]}.py, this policy was written "
+                          f"beside {expected}.py: use the autotp_policy.py of the model's own dir")
+
+
+def size_config(config):
+    """The config holding the decoder's sizes: a multimodal config nests it as `text_config`."""
+    nested = getattr(config, "text_config", None)
+    return nested if nested is not None else config
+
+
+def check_sizes(config, tp_size, layout):
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+        raise PolicyError(f"tp_size must be a positive integer, got {tp_size!r}")
+    sizes = size_config(config)
+    for key in layout["tp_divisible"]:
+        value = getattr(sizes, key, None)
+        if isinstance(value, int) and value % tp_size:
+            raise PolicyError(f"tp_size {tp_size} does not divide {key} = {value}: pick a tp_size that divides it")
+
+
+def moe_blocks(model, layout):
+    """(qualified name, module) of every MoE block of the layout's classes."""
+    classes = set(layout["moe_classes"])
+    return [(n, m) for n, m in model.named_modules() if type(m).__name__ in classes and hasattr(m, layout["experts"])]
+
+
+def probe_deepspeed(deepspeed, shm_in_use=False):
+    """One PolicyError naming everything this DeepSpeed lacks that the policy relies on (codegen.policy.runtime.probe)."""
+    missing = deepspeed_problems(deepspeed, shm_in_use)
+    if missing:
+        version = getattr(deepspeed, "__version__", "?")
+        raise PolicyError(f"DeepSpeed {version} lacks what this policy relies on: {'; '.join(missing)} "
+                          f"(supported: {SUPPORTED_DEEPSPEED})")

@@ -1,0 +1,183 @@
+"""Routed and shared experts sharded along the intermediate dimension, none reducing on its own.
+
+transformers 4.x experts (a ModuleList of MLPs) and shared experts are sharded by DeepSpeed: gate/up
+column-parallel, down row-parallel, turned here into a row layer that leaves its partial sum unreduced.
+transformers 5.x fused 3-D experts are left whole by DeepSpeed, so each fused layout is split here; the
+Parameters stay the same registered objects and the full tensors are freed.
+"""
+
+import torch
+
+from codegen.policy.runtime.base import (FUSED_GATE_UP_INTERLEAVED_COLS, FUSED_GATE_UP_ROWS, SHARDED_FLAG,
+                                         SUPPORTED_DEEPSPEED, PolicyError)
+
+#: attributes of DeepSpeed's row-parallel layer that the partial-sum subclass reads
+ROW_LAYER_ATTRS = ("weight", "bias", "tp_index")
+
+
+def _row_partial_class(base):
+    """A subclass of DeepSpeed's row-parallel layer that leaves its partial sum unreduced."""
+
+    class RowParallelPartialSum(base):
+        def forward(self, input):
+            output = torch.matmul(input, self.weight.transpose(-1, -2))
+            if self.bias is not None and self.tp_index == 0:
+                output = output + self.bias  # added once across the group
+            return output
+
+    RowParallelPartialSum.__qualname__ = f"RowParallelPartialSum[{base.__name__}]"
+    return RowParallelPartialSum
+
+
+_PARTIAL_CLASSES = {}
+
+
+def is_partial(layer):
+    return isinstance(layer, tuple(_PARTIAL_CLASSES.values()))
+
+
+def make_partial(layer, where, row_class):
+    """Turn DeepSpeed's row-parallel layer `layer` into one that does not reduce (same object and Parameters)."""
+    if is_partial(layer):
+        return
+    if not isinstance(layer, row_class):
+        raise PolicyError(f"{where} is {type(layer).__name__}, not sharded by deepspeed.init_inference as a "
+                          "row-parallel layer: the one reduction would sum unsharded outputs")
+    missing = [attr for attr in ROW_LAYER_ATTRS if not hasattr(layer, attr)]
+    if missing:
+        raise PolicyError(f"DeepSpeed's row-parallel layer {where} has no {', '.join(missing)}: "
+                          f"unsupported DeepSpeed, use {SUPPORTED_DEEPSPEED}")
+    base = type(layer)
+    if base not in _PARTIAL_CLASSES:
+        _PARTIAL_CLASSES[base] = _row_partial_class(base)
+    layer.__class__ = _PARTIAL_CLASSES[base]
+
+
+def shard_mlp(mlp, where, names, column_class, row_class):
+    """A per-expert (or shared-expert) MLP: gate/up column-parallel, down row-parallel without its reduction."""
+    for role in ("gate", "up"):
+        layer = getattr(mlp, names[role], None)
+        if not isinstance(layer, column_class):
+            raise PolicyError(f"{where}.{names[role]} is {type(layer).__name__}, not sharded by "
+                              "deepspeed.init_inference as a column-parallel layer")
+    make_partial(getattr(mlp, names["down"], None), f"{where}.{names['down']}", row_class)
+
+
+def shard_experts(block, name, rank, world, layout, column_class, row_class):
+    """Routed and shared experts of one MoE block end up sharded, none reducing on its own: else PolicyError."""
+    experts = getattr(block, layout["experts"], None)
+    where = f"{name}.{layout['experts']}"
+    if isinstance(experts, torch.nn.ModuleList):
+        for index, expert in enumerate(experts):
+            if expert is not None:
+                shard_mlp(expert, f"{where}.{index}", layout["per_expert"], column_class, row_class)
+    elif isinstance(experts, torch.nn.Module):
+        shard_fused_experts(experts, where, rank, world, layout["fused"])
+    else:
+        raise PolicyError(f"{name} has no experts module {layout['experts']!r}: re-run patch")
+    for shared in layout["shared"]:
+        module = getattr(block, shared, None)
+        if module is not None:
+            shard_mlp(module, f"{name}.{shared}", layout["per_expert"], column_class, row_class)
+    for sub, module in block.named_modules():
+        if isinstance(module, row_class) and not is_partial(module):
+            raise PolicyError(f"{name}.{sub} still reduces on its own inside the MoE block, which the family "
+                              "layout does not name: the one reduction would add it again")
+
+
+@torch.no_grad()
+def shard_gate_up_rows(experts, where, rank, world, names):
+    """gate_up [E, 2I, H] (gate rows, then up rows) and down [E, H, I]: each rank keeps I/world of both.
+
+    gate_up keeps its gate|up packing per rank; down splits its input dimension. The Parameters stay the
+    same registered objects; the full tensors are freed.
+    """
+    params = _fused_params(experts, where, names)
+    gate_up, down, gate_up_bias = params["gate_up"], params["down"], params["gate_up_bias"]
+    inter = down.shape[-1]
+    bias_fits = gate_up_bias is None or gate_up_bias.shape[1] == 2 * inter
+    if gate_up.shape[1] != 2 * inter or inter % world or not bias_fits:
+        raise PolicyError(f"{where} has {names['gate_up']} {tuple(gate_up.shape)} and {names['down']} "
+                          f"{tuple(down.shape)}: cannot split the expert size {inter} over {world} ranks")
+    shard = inter // world
+    lo, hi = rank * shard, (rank + 1) * shard
+    gate_up.data = torch.cat([gate_up.data[:, lo:hi], gate_up.data[:, inter + lo : inter + hi]], dim=1).contiguous()
+    if gate_up_bias is not None:  # split with its rows
+        gate_up_bias.data = torch.cat([gate_up_bias.data[:, lo:hi], gate_up_bias.data[:, inter + lo : inter + hi]],
+                                      dim=1).contiguous()
+    down.data = down.data[:, :, lo:hi].clone(memory_format=torch.contiguous_format)
+    keep_down_bias_once(params["down_bias"], rank)
+    return shard
+
+
+def _fused_params(experts, where, names):
+    """The layout's 3-D gate_up and down Parameters, and its bias Parameters (None where the layout names none)."""
+    found = {}
+    for role, dims in (("gate_up", 3), ("down", 3), ("gate_up_bias", 2), ("down_bias", 2)):
+        attr = names.get(role, "")
+        if not attr:
+            found[role] = None
+            continue
+        param = getattr(experts, attr, None)
+        if not isinstance(param, torch.nn.Parameter) or param.dim() != dims:
+            raise PolicyError(f"{where} has no {dims}-D Parameter {attr!r} to shard: "
+                              "its experts are not the fused layout the family table names")
+        found[role] = param
+    return found
+
+
+def keep_down_bias_once(down_bias, rank):
+    """The down bias is added inside every expert, before the routing weight and the one reduction.
+
+    Summing the ranks' partial outputs would add it once per rank, so only rank 0 keeps it and the others
+    hold zeros of the same shape. That is exact: each rank computes (partial_r + b_r) * w, the reduction adds
+    b * w once, and the zeros contribute exactly 0.0 (dividing b by the world size would round for world 3).
+    The zeros stay full size: the experts index the bias by expert id, and a whole bias is E * H values.
+    """
+    if down_bias is not None and rank != 0:
+        down_bias.data = torch.zeros_like(down_bias.data)
+
+
+@torch.no_grad()
+def shard_gate_up_interleaved_cols(experts, where, rank, world, names):
+    """gate_up [E, H, 2I] with gate/up interleaved along the last dim (gate = ::2, up = 1::2), down [E, I, H].
+
+    Column pair j (gate j at 2j, up j at 2j + 1) is one intermediate unit: a rank keeps whole pairs, the
+    contiguous columns [2 lo, 2 hi), so `[..., ::2]` / `[..., 1::2]` still pair each gate with its own up.
+    The activation (a clamped SwiGLU) is elementwise per pair, so column sharding commutes with it. down
+    keeps rows [lo, hi) of its input dim (1); gate_up_bias [E, 2I] is split with its columns; the down bias
+    counts once over the group (keep_down_bias_once).
+    """
+    params = _fused_params(experts, where, names)
+    gate_up, down = params["gate_up"], params["down"]
+    inter = down.shape[1]
+    if gate_up.shape[2] != 2 * inter or inter % world or (
+            params["gate_up_bias"] is not None and params["gate_up_bias"].shape[1] != 2 * inter):
+        raise PolicyError(f"{where} has {names['gate_up']} {tuple(gate_up.shape)} and {names['down']} "
+                          f"{tuple(down.shape)}: cannot split the expert size {inter} over {world} ranks")
+    shard = inter // world
+    lo, hi = rank * shard, (rank + 1) * shard
+    gate_up.data = gate_up.data[:, :, 2 * lo : 2 * hi].clone(memory_format=torch.contiguous_format)
+    if params["gate_up_bias"] is not None:
+        bias = params["gate_up_bias"]
+        bias.data = bias.data[:, 2 * lo : 2 * hi].clone(memory_format=torch.contiguous_format)
+    down.data = down.data[:, lo:hi, :].clone(memory_format=torch.contiguous_format)
+    keep_down_bias_once(params["down_bias"], rank)
+    return shard
+
+
+#: fused expert layouts (codegen.families FusedExperts.kind) and the function that shards each
+FUSED_SHARDERS = {FUSED_GATE_UP_ROWS: shard_gate_up_rows, FUSED_GATE_UP_INTERLEAVED_COLS: shard_gate_up_interleaved_cols}
+
+
+def shard_fused_experts(experts, where, rank, world, fused):
+    """transformers 5.x fused experts: DeepSpeed leaves the 3-D Parameters replicated, so shard them here."""
+    if getattr(experts, SHARDED_FLAG, False):
+        return
+    sharder = FUSED_SHARDERS.get(fused["kind"])
+    if sharder is None:
+        raise PolicyError(f"{where}: unknown fused expert layout {fused['kind']!r}: re-run patch")
+    shard = sharder(experts, where, rank, world, fused)
+    if hasattr(experts, fused["size_attr"]):
+        setattr(experts, fused["size_attr"], shard)
+    setattr(experts, SHARDED_FLAG, True)

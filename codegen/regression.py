@@ -1,0 +1,414 @@
+"""The upstream regression matrix: pinned transformers sources, rewritten, diffed against `generated/`.
+
+`generated/<family>/<source-id>/modeling.diff` holds the expected unified diff of the rewrite of one pinned
+upstream modeling source, and `generated/<family>/autotp_policy.py` the policy `patch` writes next to it.
+Upstream files are never committed: the wheels are fetched on demand (`pip download --no-deps`) into a cache
+dir and the modeling file is read out of the wheel, so the fetch does not depend on the installed transformers.
+
+    python -m codegen regression check        # exit 1 and print the diff of diffs if generated/ drifted
+    python -m codegen regression regenerate   # rewrite generated/; review and commit its diff deliberately
+
+Cache: `$CODEGEN_UPSTREAM_CACHE`, else `~/.cache/codegen/upstream` (a dir holding the pinned wheels works offline).
+The expected outputs come from the code path `patch` uses: `rewrite_modeling` (the libcst rewrite, helper block and
+version guard), and
+`render_policy` (codegen.policy.assemble).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from codegen import __version__
+from codegen.errors import IOFailure
+from codegen.families import FAMILIES, Family
+from codegen.modeldir.layout import PATCHED_SUFFIX, POLICY_FILE
+from codegen.patch.config import restore_info
+from codegen.patch.diff import text_diff
+from codegen.patch.rewrite import Rewrite, rewrite_modeling
+from codegen.patch.target import RewriteTarget
+from codegen.policy.assemble import render_policy
+
+ROOT = Path(__file__).resolve().parent.parent
+GENERATED = ROOT / "generated"
+REGENERATE = "python -m codegen regression regenerate"
+
+#: Pinned transformers releases: version -> sha256 of `transformers-<version>-py3-none-any.whl` on PyPI.
+RELEASES: dict[str, str] = {
+    "4.36.2": "462066c4f74ee52516f12890dcc9ec71d1a5e97998db621668455117a54330f6",  # first with mixtral
+    "4.45.2": "c551b33660cfc815bae1f9f097ecfd1e65be623f13c6ee0dda372bd881460210",
+    "4.51.3": "fd3279633ceb2b777013234bbf0b4f5c2d23c4626b05497691f00cfda55e8a83",  # first with qwen3_moe, deepseek_v3
+    "4.54.1": "c89965a4f62a0d07009d45927a9c6372848a02ab9ead9c318c3d082708bab529",  # first with glm4_moe
+    "4.55.4": "df28f3849665faba4af5106f0db4510323277c4bb595055340544f7e59d06458",  # first with gpt_oss
+    "4.57.6": "4c9e9de11333ddfe5114bc872c9f370509198acf0b87a832a0ab9458e2bd0550",
+    "5.0.0": "587086f249ce64c817213cf36afdb318d087f790723e9b3d4500b97832afd52d",
+    "5.24.0": "ff5ebedf9359f94bb63772b6380eba6e7104d010cbbb2cb82c788817ea7486f6",  # latest 5.x, the pinned one
+}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One upstream source of one family: where it comes from and how `patch` would see it."""
+
+    family: str
+    #: directory under generated/<family>/
+    source_id: str
+    #: transformers release whose wheel ships the source; None for a file of this repository
+    release: str | None
+    #: path inside the wheel, or relative to the repository root
+    path: str
+    #: absolute package relative imports resolve against
+    package: str
+    #: modules shipped next to the modeling file in the model dir (relative imports to them stay relative)
+    shipped_modules: frozenset[str] = frozenset()
+
+    @property
+    def id(self) -> str:
+        return f"{self.family}/{self.source_id}"
+
+    @property
+    def output_name(self) -> str:
+        """The file name `patch` gives the patched source in the model dir (codegen.patch.source.resolve_source)."""
+        name = self.path.rsplit("/", 1)[-1]
+        if self.release is None:  # remote code `M.py` shipped in the dir is patched into a new module `M_codegen`
+            return name.removesuffix(".py") + PATCHED_SUFFIX + ".py"
+        return name
+
+    @property
+    def module_name(self) -> str:
+        return self.output_name.removesuffix(".py")
+
+    @property
+    def origin(self) -> str:
+        return f"transformers=={self.release}" if self.release else "this repository"
+
+    @property
+    def diff_path(self) -> Path:
+        return GENERATED / self.family / self.source_id / "modeling.diff"
+
+    @property
+    def policy_path(self) -> Path:
+        """Built-in sources share one policy per family; a source shipped in the model dir names its own module."""
+        if self.module_name == _builtin_module_name(self.family):
+            return GENERATED / self.family / POLICY_FILE
+        return GENERATED / self.family / self.source_id / POLICY_FILE
+
+
+def _builtin_module_name(family: str) -> str:
+    return FAMILIES[family].builtin_module_name
+
+
+def _builtin(family: str, release: str) -> Entry:
+    module = FAMILIES[family].builtin_module
+    return Entry(
+        family=family,
+        source_id=f"transformers-{release}",
+        release=release,
+        path=module.replace(".", "/") + ".py",
+        package=module.rsplit(".", 1)[0],
+    )
+
+
+def _remote(family: str, fixture: str) -> Entry:
+    """Hub-style remote code: a fixture dir shipping one `modeling_*.py` next to its configuration module."""
+    folder = ROOT / "tests" / "fixtures" / fixture
+    (modeling,) = sorted(folder.glob("modeling_*.py"))
+    return Entry(
+        family=family,
+        source_id=fixture,
+        release=None,
+        path=modeling.relative_to(ROOT).as_posix(),
+        package=FAMILIES[family].builtin_module.rsplit(".", 1)[0],
+        shipped_modules=frozenset(p.stem for p in folder.glob("configuration_*.py")),
+    )
+
+
+#: The matrix, from the family table: every pinned release a family lists, and its remote-code fixtures.
+MATRIX: tuple[Entry, ...] = tuple(
+    entry
+    for name, family in FAMILIES.items()
+    for entry in (
+        *(_builtin(name, r) for r in family.releases),
+        *(_remote(name, fixture) for fixture in family.remote_code_fixtures),
+    )
+)
+
+
+# ---------------------------------------------------------------------------------------------- fetching
+
+
+class FetchFailed(IOFailure):
+    """A pinned wheel could not be downloaded or read; the message is one line."""
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("CODEGEN_UPSTREAM_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "codegen" / "upstream"
+
+
+def wheel_name(release: str) -> str:
+    return f"transformers-{release}-py3-none-any.whl"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fetch_wheel(release: str, cache: Path | None = None) -> Path:
+    """The pinned wheel of `release` in the cache dir, downloaded with pip if it is not there yet."""
+    pinned = RELEASES[release]
+    cache = cache_dir() if cache is None else cache
+    wheel = cache / wheel_name(release)
+    if wheel.is_file() and _sha256(wheel) == pinned:
+        return wheel
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise FetchFailed(
+            f"cannot create the upstream cache {cache}: {exc.strerror}; set CODEGEN_UPSTREAM_CACHE"
+        ) from None
+    with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
+        cmd = [
+            sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--ignore-requires-python",
+            "--disable-pip-version-check", "--quiet", f"transformers=={release}", "-d", tmp,
+        ]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise FetchFailed(
+                f"pip download transformers=={release} did not finish ({exc}); {_offline_hint(release, cache)}"
+            ) from None
+        got = Path(tmp) / wheel_name(release)
+        if done.returncode != 0 or not got.is_file():
+            lines = [ln.strip() for ln in (done.stderr or done.stdout).splitlines() if ln.strip()]
+            why = lines[-1] if lines else f"exit {done.returncode}, no {wheel_name(release)}"
+            raise FetchFailed(f"pip download transformers=={release} failed: {why}; {_offline_hint(release, cache)}")
+        actual = _sha256(got)
+        if actual != pinned:
+            raise FetchFailed(f"downloaded {wheel_name(release)} has sha256 {actual}, pinned {pinned}: refusing it")
+        os.replace(got, wheel)  # atomic: concurrent runs never see a partial wheel
+    return wheel
+
+
+def _offline_hint(release: str, cache: Path) -> str:
+    return (
+        f"to work offline put {wheel_name(release)} into {cache} "
+        "(or point CODEGEN_UPSTREAM_CACHE at a dir holding it)"
+    )
+
+
+def wheel_members(release: str, cache: Path | None = None) -> frozenset[str]:
+    with zipfile.ZipFile(fetch_wheel(release, cache)) as wheel:
+        return frozenset(wheel.namelist())
+
+
+def read_source(entry: Entry, cache: Path | None = None) -> str:
+    """The unpatched text of one matrix entry (from the pinned wheel, or from this repository)."""
+    if entry.release is None:
+        return (ROOT / entry.path).read_text(encoding="utf-8")
+    wheel = fetch_wheel(entry.release, cache)
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            return zf.read(entry.path).decode("utf-8")
+    except KeyError:
+        raise FetchFailed(f"{wheel.name} does not ship {entry.path}: fix the matrix in codegen/regression.py") from None
+    except zipfile.BadZipFile:
+        raise FetchFailed(f"{wheel} is not a wheel: delete it and run again") from None
+
+
+# ----------------------------------------------------------------------------------------------- outputs
+
+
+@dataclass(frozen=True)
+class Result:
+    entry: Entry
+    original: str
+    rewrite: Rewrite
+    #: expected files: path relative to the repository root -> text
+    files: dict[str, str]
+
+    @property
+    def patched(self) -> str:
+        return self.rewrite.code
+
+
+def target_of(entry: Entry) -> RewriteTarget:
+    family: Family = FAMILIES[entry.family]
+    return RewriteTarget(
+        family=family,
+        package=entry.package,
+        shipped_modules=entry.shipped_modules,
+        display_name=f"{entry.path} ({entry.origin})",
+        transformers_version=entry.release,
+    )
+
+
+def _header(lines: list[str]) -> str:
+    return "".join(f"# {line}\n".replace("# \n", "#\n") for line in lines)
+
+
+def _generated_note(*what: str) -> list[str]:
+    return [
+        f"GENERATED by `{REGENERATE}` (codegen {__version__}): do not edit.",
+        *what,
+        f"To update after a deliberate change: `{REGENERATE}`, then review and commit the diff of generated/.",
+    ]
+
+
+def modeling_diff(entry: Entry, original: str, patched: str) -> str:
+    source_sha = hashlib.sha256(original.encode("utf-8")).hexdigest()
+    origin = f"the wheel of transformers=={entry.release}" if entry.release else "this repository"
+    header = _header(
+        _generated_note(
+            f"Expected rewrite of {entry.path} from {origin} (sha256 {source_sha}),",
+            f"as `python -m codegen patch` writes it into a model dir as {entry.output_name}.",
+        )
+    )
+    return header + text_diff(original, patched, f"a/{entry.path}", f"b/{entry.output_name}")
+
+
+def policy_file(entry: Entry, policy: str) -> str:
+    users = ", ".join(e.source_id for e in MATRIX if e.policy_path == entry.policy_path)
+    header = _header(
+        _generated_note(
+            f"Expected {entry.family} autotp_policy.py that `python -m codegen patch` writes next to "
+            f"{entry.output_name} (sources: {users})."
+        )
+    )
+    return header + policy
+
+
+def build(entry: Entry, cache: Path | None = None) -> Result:
+    """Rewrite one entry exactly as `patch` does and render its expected generated/ files (once per process)."""
+    return _build(entry, cache_dir() if cache is None else cache)
+
+
+@lru_cache(maxsize=None)
+def _build(entry: Entry, cache: Path) -> Result:
+    family = FAMILIES[entry.family]
+    original = read_source(entry, cache)
+    rewrite = rewrite_modeling(original, target_of(entry), entry.release, restore_info(_stock_config(entry, family), family))
+    files = {
+        repo_path(entry.diff_path): modeling_diff(entry, original, rewrite.code),
+        repo_path(entry.policy_path): policy_file(entry, render_policy(family, entry.module_name)),
+    }
+    return Result(entry, original, rewrite, files)
+
+
+def _stock_config(entry: Entry, family: Family) -> dict:
+    """The auto_map / model_type of a stock dir of this source (the marker records what patch replaces)."""
+    config: dict = {"model_type": family.model_type}
+    if entry.release is None:
+        config["auto_map"] = {"AutoModelForCausalLM": f"{Path(entry.path).stem}.{family.auto_classes['AutoModelForCausalLM']}"}
+    return config
+
+
+def repo_path(path: Path) -> str:
+    """`path` relative to the repository root, as generated/ files are named."""
+    return path.relative_to(ROOT).as_posix()
+
+
+def index_row(r: Result) -> str:
+    """The entry's row of generated/README.md."""
+    diff = r.files[repo_path(r.entry.diff_path)]
+    plus = sum(1 for ln in diff.splitlines() if ln.startswith("+") and not ln.startswith("+++"))
+    minus = sum(1 for ln in diff.splitlines() if ln.startswith("-") and not ln.startswith("---"))
+    kind = "fused 3-D experts" if r.rewrite.fused_experts else "per-expert modules"
+    return (f"| {r.entry.family} | {r.entry.source_id} | {r.entry.origin} | {r.rewrite.moe_class}.forward: "
+            f"`{r.rewrite.reduced_variable}` (line {r.rewrite.anchor_line}) | {kind} | +{plus} -{minus} |")
+
+
+def index_file(results: list[Result]) -> str:
+    rows = [index_row(r) for r in results]
+    return (
+        "<!-- " + " ".join(_generated_note("Index of the upstream regression matrix.")) + " -->\n"
+        "# generated/: expected rewrites of pinned upstream sources\n\n"
+        "Each `<family>/<source>/modeling.diff` is the unified diff `python -m codegen patch` applies to that\n"
+        "source; `autotp_policy.py` is the policy it writes beside it. The upstream files themselves are never\n"
+        "committed: `codegen/regression.py` downloads the pinned wheels and `tests/test_regression.py`\n"
+        f"(`pytest -m regression`) compares a fresh rewrite with these files. After a deliberate change run\n"
+        f"`{REGENERATE}` and review the diff of this directory.\n\n"
+        "| family | source | from | reduction after | experts | diff |\n"
+        "|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
+    )
+
+
+INDEX = "generated/README.md"
+
+
+def expected_paths() -> set[str]:
+    """The names of every file generated/ must hold (no rewrite needed)."""
+    return {repo_path(p) for entry in MATRIX for p in (entry.diff_path, entry.policy_path)} | {INDEX}
+
+
+def expected_files(cache: Path | None = None) -> dict[str, str]:
+    """Every file generated/ must hold, by path relative to the repository root."""
+    results = [build(entry, cache) for entry in MATRIX]
+    files: dict[str, str] = {}
+    for result in results:
+        for name, text in result.files.items():
+            if files.setdefault(name, text) != text:
+                raise AssertionError(f"{name}: matrix entries sharing it render it differently")  # pragma: no cover
+    files[INDEX] = index_file(results)
+    return files
+
+
+def committed_files() -> dict[str, str]:
+    if not GENERATED.is_dir():
+        return {}
+    return {
+        repo_path(p): p.read_text(encoding="utf-8")
+        for p in sorted(GENERATED.rglob("*"))
+        if p.is_file() and "__pycache__" not in p.parts
+    }
+
+
+def diff_of_diffs(name: str, committed: str | None, fresh: str | None) -> str:
+    """How a committed generated/ file differs from a fresh rewrite (`-` committed, `+` fresh)."""
+    text = text_diff(committed, fresh, f"committed/{name}", f"fresh/{name}")
+    if committed is None:
+        return f"missing from generated/: {name}\n{text}"
+    if fresh is None:
+        return f"stale in generated/ (no matrix entry produces it): {name}\n{text}"
+    return text
+
+
+def drift(cache: Path | None = None) -> str:
+    """The diff of diffs between generated/ and a fresh rewrite of the matrix; empty when up to date."""
+    expected = expected_files(cache)
+    committed = committed_files()
+    return "".join(
+        diff_of_diffs(name, committed.get(name), expected.get(name)) for name in sorted(set(expected) | set(committed))
+        if committed.get(name) != expected.get(name)
+    )
+
+
+def regenerate(cache: Path | None = None) -> list[str]:
+    """Rewrite generated/ from the matrix (and delete files no entry produces); returns the changed paths."""
+    expected = expected_files(cache)
+    committed = committed_files()
+    changed = []
+    for name, text in expected.items():
+        if committed.get(name) != text:
+            path = ROOT / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8", newline="\n")
+            changed.append(name)
+    for name in set(committed) - set(expected):
+        (ROOT / name).unlink()
+        changed.append(name)
+    for directory in sorted((p for p in GENERATED.rglob("*") if p.is_dir()), reverse=True):
+        if not any(directory.iterdir()):
+            directory.rmdir()
+    return sorted(changed)
