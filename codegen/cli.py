@@ -20,6 +20,8 @@ from typing import Callable
 
 from codegen import __version__, errors
 from codegen.errors import CodegenError
+from codegen.harness.worker.protocol import WORKER
+from codegen.serve.launch import SERVE_RANK
 
 FILES_WRITTEN = """\
 files patch writes into the model dir (nothing else is touched):
@@ -127,6 +129,7 @@ def _add_bench(sub) -> None:
 def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="build, patch and run small example dirs of every family on 2 CPU ranks")
     p.add_argument("--workdir", type=Path, help="where to build the example dirs (default: a temp dir)")
+    p.add_argument("--families", nargs="+", metavar="MODEL_TYPE", help="only these families (default: every one)")
     _debug_flag(p, top=False)
 
 
@@ -153,16 +156,55 @@ def _add_regression(sub) -> None:
     _debug_flag(p, top=False)
 
 
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="serve a patched dir on N local ranks: an OpenAI-compatible HTTP endpoint",
+                       description="Start --tp local ranks that load the patched dir under its policy; rank 0 serves "
+                                   "/v1/completions, /v1/chat/completions (when the dir has a chat template), "
+                                   "/v1/models and /health, batching requests across the ranks. Ctrl-C stops it.",
+                       epilog=_exit_table(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    _model_dir_path(p)
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks to start (default 2)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
+    p.add_argument("--max-batch", type=int, default=8, help="requests generated together at most (default 8)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    _debug_flag(p, top=False)
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="one completion of a prompt on N local ranks, printed (for scripts)",
+                       epilog=_exit_table(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    _model_dir_path(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--json", action="store_true", help="print the answer as JSON (text, tokens, finish_reason)")
+    _debug_flag(p, top=False)
+
+
+def _model_dir_path(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", type=Path, metavar="MODEL_DIR", help="a patched model dir")
+
+
+def _add_serve_rank(sub) -> None:
+    # internal: one rank of `serve` / `generate` (codegen.serve.launch starts it); hidden from --help
+    p = sub.add_parser(SERVE_RANK)
+    p.add_argument("--spec", required=True, type=Path)
+    _debug_flag(p, top=False)
+
+
 def _add_worker(sub) -> None:
     # internal: one rank of a launch (codegen.harness.launcher starts it); hidden from --help
     p = sub.add_parser(WORKER)
     p.add_argument("--spec", required=True, type=Path)
     p.add_argument("--out", required=True, type=Path)
     _debug_flag(p, top=False)
-
-
-#: the hidden subcommand the launcher starts each rank with
-WORKER = "_worker"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -174,10 +216,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"codegen {__version__}")
     _debug_flag(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_patch, _add_revert, _add_verify, _add_bench, _add_demo, _add_shm, _add_regression, _add_worker):
+    for add in (_add_patch, _add_revert, _add_verify, _add_bench, _add_demo, _add_serve, _add_generate, _add_shm,
+                _add_regression, _add_worker, _add_serve_rank):
         add(sub)
     # hidden subcommands stay out of the usage line and the command list
-    sub._choices_actions = [a for a in sub._choices_actions if a.dest != WORKER]
+    sub._choices_actions = [a for a in sub._choices_actions if a.dest not in (WORKER, SERVE_RANK)]
     return parser
 
 
@@ -247,8 +290,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.world is not None and (args.world < args.tp or args.world % args.tp):
         raise errors.BadInput(f"--world {args.world} must be a multiple of --tp {args.tp}")
     for model_dir in args.model_dir:
-        if not (model_dir / "config.json").is_file():
-            raise errors.BadInput(f"{model_dir}: no config.json: point verify at a patched model dir")
+        _check_verifiable(model_dir, args.tp)
     check_runtime_installed("verify")
     records = verify_dirs(args.model_dir, args.tp, args.world, args.timeout)
     for model_dir, record in zip(args.model_dir, records):
@@ -264,6 +306,20 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise errors.VerifyFailed(f"{count} check(s) failed for {', '.join(str(d) for d, _ in failed)}")
     print(ok_line(args.tp))
     return errors.OK
+
+
+def _check_verifiable(model_dir: Path, tp: int) -> None:
+    """A patched dir whose sizes `tp` divides, else one line (exit 2) before any rank starts."""
+    from codegen.families import FAMILIES, normalise_model_type
+    from codegen.patch.config import check_tp_divides, parse_config
+
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise errors.BadInput(f"{model_dir}: no config.json: point verify at a patched model dir")
+    config = parse_config(config_path.read_bytes(), model_dir)
+    family = normalise_model_type(config.get("model_type"))
+    if family is not None:
+        check_tp_divides(config, FAMILIES[family], tp, config_path)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -303,11 +359,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from codegen.harness import demo
     from codegen.harness.prepare import Progress, check_runtime_installed, make_workdir
 
+    from codegen.families import FAMILIES
+
+    unknown = [f for f in args.families or () if f not in FAMILIES]
+    if unknown:
+        raise errors.BadInput(f"--families: {', '.join(unknown)} not in the family table (known: "
+                              f"{', '.join(FAMILIES)})")
     check_runtime_installed("the demo")
     progress = Progress()
     with tempfile.TemporaryDirectory(prefix="codegen-demo-") as tmp:
         root = make_workdir(args.workdir, "codegen-demo-") if args.workdir is not None else Path(tmp)
-        record = demo.run_demo(root, progress)
+        record = demo.run_demo(root, progress, tuple(args.families or FAMILIES))
         print(demo.render(record))
         for line in record["problems"]:
             print(f"FAIL {line}", file=sys.stderr)
@@ -346,6 +408,50 @@ def cmd_regression(args: argparse.Namespace) -> int:
     return errors.OK
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from codegen.harness.prepare import check_runtime_installed
+    from codegen.serve import launch
+
+    if args.max_batch < 1:
+        raise errors.BadInput("--max-batch must be at least 1")
+    if not 0 <= args.port <= 65535:
+        raise errors.BadInput(f"--port must be from 0 to 65535, got {args.port}")
+    launch.check_servable(args.model_dir, args.tp)
+    check_runtime_installed("serve")
+    try:
+        launch.serve(args.model_dir, args.tp, args.host, args.port, args.dtype, args.max_batch, args.device,
+                     progress=lambda line: print(one_line(line), flush=True))
+    except KeyboardInterrupt:
+        print("interrupted: the ranks are stopped", file=sys.stderr)
+        return errors.INTERRUPTED
+    return errors.OK
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from codegen.harness.prepare import check_runtime_installed
+    from codegen.serve import launch
+
+    if args.max_tokens < 1:
+        raise errors.BadInput("--max-tokens must be at least 1")
+    if not 0 <= args.temperature <= 2 or not 0 < args.top_p <= 1:
+        raise errors.BadInput("--temperature must be from 0 to 2 and --top-p above 0 and at most 1")
+    launch.check_servable(args.model_dir, args.tp)
+    check_runtime_installed("generate")
+    greedy = args.temperature == 0 and args.top_p == 1
+    sampling = {"greedy": greedy, "temperature": args.temperature or 1.0, "top_p": args.top_p,
+                "seed": None if greedy else args.seed}
+    answer = launch.generate(args.model_dir, args.tp, args.prompt, args.max_tokens, sampling, args.dtype,
+                             args.device)
+    print(json.dumps(answer) if args.json else answer["text"])
+    return errors.OK
+
+
+def cmd_serve_rank(args: argparse.Namespace) -> int:
+    from codegen.serve.rank import main as rank_main
+
+    return rank_main(args.spec)
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     from codegen.harness.worker.main import main as worker_main
 
@@ -367,7 +473,10 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "demo": cmd_demo,
     "shm": cmd_shm,
     "regression": cmd_regression,
+    "serve": cmd_serve,
+    "generate": cmd_generate,
     WORKER: cmd_worker,
+    SERVE_RANK: cmd_serve_rank,
 }
 
 

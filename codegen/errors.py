@@ -10,6 +10,7 @@ BAD_SOURCE = 3  # modeling source missing, not Python, or no recognisable MoE ex
 IO_FAILURE = 4  # dir not writable, disk full, locked by another run
 USER_EDITS = 5  # patch/revert refused: files edited since patching (use --force)
 VERIFY_FAILED = 6  # verify/bench: numerics or all-reduce counts off
+SERVE_FAILED = 7  # serve/generate: a rank failed (its line says why)
 INTERNAL = 70  # a bug in codegen
 INTERRUPTED = 130  # Ctrl-C: nothing half-written
 CLOSED_PIPE = 141  # stdout closed early (`... --diff | head`): output cut short, nothing else wrong
@@ -23,6 +24,7 @@ TABLE = (
     (IO_FAILURE, "cannot write: permissions, disk full, locked by another run (nothing half-written)"),
     (USER_EDITS, "files edited since patching: re-run with --force to overwrite / discard them"),
     (VERIFY_FAILED, "verify / bench / demo: numerics or all-reduce counts off"),
+    (SERVE_FAILED, "serve / generate: a rank failed (the line names it and why)"),
     (INTERNAL, "a bug in codegen (re-run with --debug for the traceback)"),
     (CLOSED_PIPE, "stdout closed early (e.g. piped into head)"),
 )
@@ -56,3 +58,7 @@ class UserEdits(CodegenError):
 
 class VerifyFailed(CodegenError):
     exit_code = VERIFY_FAILED
+
+
+class ServeFailed(CodegenError):
+    exit_code = SERVE_FAILED

@@ -208,6 +208,7 @@ def _offline_hint(release: str, cache: Path) -> str:
     )
 
 
+@lru_cache(maxsize=None)
 def wheel_members(release: str, cache: Path | None = None) -> frozenset[str]:
     with zipfile.ZipFile(fetch_wheel(release, cache)) as wheel:
         return frozenset(wheel.namelist())

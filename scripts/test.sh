@@ -15,7 +15,9 @@
 # (codegen.regression) and DeepSpeed's JIT-built CPU all-reduce (codegen.harness.opcache).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONDONTWRITEBYTECODE=1
+# bytecode on: pytest keeps its assertion-rewritten test modules in tests/__pycache__ (git ignores it), which
+# every later pytest run, worker and environment of the same Python reuses instead of rewriting them again
+unset PYTHONDONTWRITEBYTECODE
 pytest() { local venv=$1; shift; "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"; }
 parallel=(-n 2 --dist loadgroup)
 if [[ ${1:-} == --fast ]]; then

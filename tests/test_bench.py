@@ -10,11 +10,15 @@ import sys
 
 import pytest
 
+from codegen.harness.abrun import families_of
 from conftest import FAMILIES, ROOT, STOCK_AUTOTP_CRASHES, run_codegen
 
 RECORDED = sorted((ROOT / "docs" / "bench").glob("bench-*.json"))
+#: the families the smoke run covers (those the recorded bench covers, at tiny widths)
+SMOKE = families_of("smoke")
 #: the families stock AutoTP runs on: the ones whose (a) figures exist
-STOCK_RUNS = [f for f in FAMILIES if f not in STOCK_AUTOTP_CRASHES]
+STOCK_RUNS = [f for f in SMOKE if f not in STOCK_AUTOTP_CRASHES]
+SMOKE_CRASHES = [f for f in SMOKE if f in STOCK_AUTOTP_CRASHES]
 
 
 @pytest.fixture(scope="module")
@@ -73,14 +77,14 @@ def test_smoke_run_succeeds_with_one_line_progress_and_no_traceback(smoke):
     assert record["kind"] == "smoke" and record["tp"] == 2 and record["device"] == "cpu"
     assert record["problems"] == []
     assert "[" in result.stderr and "s] starting 2 CPU ranks" in result.stderr  # progress lines with elapsed time
-    assert all(f"s] {f}/b1/g0: decode" in result.stderr for f in FAMILIES)  # rank 0's progress, passed on live
+    assert all(f"s] {f}/b1/g0: decode" in result.stderr for f in SMOKE)  # rank 0's progress, passed on live
     assert "needs about" in result.stderr and "GiB available" in result.stderr  # memory said before the start
     assert record["machine"]["transformers"] == _installed("transformers")
     assert record["machine"]["deepspeed"] == _installed("deepspeed")
     assert record["machine"]["cores"] == os.cpu_count()
-    assert sorted(r["family"] for r in record["rows"]) == sorted(FAMILIES)
+    assert sorted(r["family"] for r in record["rows"]) == sorted(SMOKE)
     assert {(r["batch"], r["dtype"], r["size"]) for r in record["rows"]} == {(1, "float32", "tiny")}
-    for family in FAMILIES:  # the bench's own dirs were patched as the CLI patches (a manifest, the policy)
+    for family in SMOKE:  # the bench's own dirs were patched as the CLI patches (a manifest, the policy)
         (work,) = (out / "work").iterdir()
         assert (work / family / "patched" / ".codegen" / "manifest.json").is_file()
         plan = _row(record, family)["memory_estimate"]
@@ -89,7 +93,7 @@ def test_smoke_run_succeeds_with_one_line_progress_and_no_traceback(smoke):
 
 
 @pytest.mark.runtime
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", SMOKE)
 def test_codegen_reduces_once_per_moe_layer_in_prefill_and_decode(smoke, family):
     _, _, record = smoke
     e = _row(record, family)
@@ -137,7 +141,7 @@ def test_stock_autotp_baseline_is_what_the_patch_fixes(smoke, family):
 
 
 @pytest.mark.runtime
-@pytest.mark.parametrize("family", STOCK_AUTOTP_CRASHES)
+@pytest.mark.parametrize("family", SMOKE_CRASHES)
 def test_a_stock_autotp_crash_is_recorded_and_the_others_run(smoke, family):
     """(a) crashed on its first forward: the row records the crash line, every b/a ratio is None, (b) was
     timed and checked with (d) in the same launch, and the table says crash in (a)'s cells."""
@@ -161,7 +165,7 @@ def test_a_stock_autotp_crash_is_recorded_and_the_others_run(smoke, family):
 
 
 @pytest.mark.runtime
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", SMOKE)
 def test_native_tp_is_measured_or_its_failure_recorded(smoke, family):
     """(d) transformers' own TP on the same ranks: figures where it runs (then it must be right: logits within
     1e-5, 1/tp of the experts or a note saying they are not sharded), else the crash line; never a missing row."""
@@ -199,7 +203,7 @@ def test_native_tp_runs_on_the_latest_transformers(smoke):
 
 
 @pytest.mark.runtime
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", SMOKE)
 def test_logits_match_the_single_process_reference(smoke, family):
     _, _, record = smoke
     e = _row(record, family)
@@ -213,7 +217,7 @@ def test_logits_match_the_single_process_reference(smoke, family):
 def test_timings_and_patch_times_are_recorded(smoke):
     _, result, record = smoke
     s = record["settings"]
-    for family in FAMILIES:
+    for family in SMOKE:
         e = _row(record, family)
         for mode in ("stock", "codegen") if family in STOCK_RUNS else ("codegen",):
             assert e[mode]["decode"]["n"] == s["decode_steps"]
@@ -235,8 +239,8 @@ def test_the_demo_table_of_this_environment(smoke):
 
     _, _, record = smoke
     table = render({**record, "families": {r["family"]: r for r in record["rows"]}})
-    rows = {line.split()[0]: line.split()[1:] for line in table.splitlines() if line.split()[:1] in ([f] for f in FAMILIES)}
-    assert set(rows) == set(FAMILIES)
+    rows = {line.split()[0]: line.split()[1:] for line in table.splitlines() if line.split()[:1] in ([f] for f in SMOKE)}
+    assert set(rows) == set(SMOKE)
     for family, cells in rows.items():
         p_before, p_after, d_before, d_after, e_before, e_after, diff_before, diff_after = cells
         assert p_after == d_after == "1"

@@ -18,13 +18,14 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "codegen"
 
 #: folder (or module) -> the codegen folders it may import, besides itself and the shared modules
-SHARED = {"codegen", "codegen.errors", "codegen.families", "codegen.render"}
+SHARED = {"codegen", "codegen.errors", "codegen.families", "codegen.render", "codegen.ranks", "codegen.models"}
 ALLOWED = {
     "codegen.policy": {"codegen.policy"},
     "codegen.modeldir": {"codegen.modeldir", "codegen.policy"},
     "codegen.patch": {"codegen.patch", "codegen.modeldir", "codegen.policy"},
     "codegen.harness": {"codegen.harness", "codegen.patch", "codegen.modeldir", "codegen.policy"},
     "codegen.regression": {"codegen.patch", "codegen.modeldir", "codegen.policy"},
+    "codegen.serve": {"codegen.serve", "codegen.patch", "codegen.modeldir", "codegen.policy"},
 }
 
 

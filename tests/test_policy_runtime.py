@@ -13,7 +13,6 @@ import copy
 import hashlib
 import os
 import re
-import signal
 import sys
 import types
 import typing
@@ -83,6 +82,11 @@ class FakeDist:
 
     def inference_all_reduce(self, tensor, group=None):
         self.calls.append(("inference_all_reduce", group, {}))
+
+    barriers = 0
+
+    def barrier(self, group=None):
+        self.barriers += 1
 
     #: what the other ranks contribute to an all_gather: rank -> tensor (default: the same as this rank's)
     peers: typing.ClassVar[dict] = {}
@@ -170,7 +174,7 @@ def with_fake_deepspeed(monkeypatch):
         ds.__name__ = "deepspeed"
         comm = types.ModuleType("deepspeed.comm")
         for name in ("is_initialized", "get_world_size", "get_rank", "new_group", "all_reduce",
-                     "inference_all_reduce", "all_gather"):
+                     "inference_all_reduce", "all_gather", "barrier"):
             setattr(comm, name, getattr(dist, name))
         comm.comm = ds.comm.comm
         ds.comm = comm
@@ -665,12 +669,24 @@ def test_routers_come_back_in_the_engine_dtype_and_a_changed_one_is_caught(with_
 def test_reductions_stay_in_group_when_several_groups_share_the_shm_kernel():
     dist = FakeDist(world=4, rank=2)
     backend = types.SimpleNamespace(shm_comm_op=object(), inference_all_reduce="original")
-    rt.keep_reductions_in_group(backend, dist, several_groups=False)
+    assert rt.route_inference_reductions(backend, dist, several_groups=False, shm_live=True) is None
     assert backend.inference_all_reduce == "original"
-    rt.keep_reductions_in_group(backend, dist, several_groups=True)
+    assert rt.route_inference_reductions(backend, dist, several_groups=True, shm_live=True) is None
     group = FakeGroup([2, 3])
     backend.inference_all_reduce(torch.ones(2), "SUM", group)
     assert dist.calls == [("all_reduce", group, {"op": "SUM"})]
+
+
+def test_a_shm_kernel_never_set_up_is_not_used():
+    """DeepSpeed initialised without LOCAL_SIZE (or ranks on several nodes): its shm kernel would segfault at the
+    first reduction; the policy reduces through torch.distributed and says so once."""
+    backend = types.SimpleNamespace(shm_comm_op=object(), inference_all_reduce="original")
+    note = rt.route_inference_reductions(backend, FakeDist(), several_groups=False, shm_live=False)
+    assert isinstance(backend.inference_all_reduce, rt.GroupInferenceAllReduce)
+    assert note.startswith("DeepSpeed's shared-memory all-reduce was not set up") and "\n" not in note
+    gpu = types.SimpleNamespace(shm_comm_op=None, inference_all_reduce="nccl")
+    assert rt.route_inference_reductions(gpu, FakeDist(), several_groups=False, shm_live=False) is None
+    assert gpu.inference_all_reduce == "nccl"
 
 
 def test_tp_groups_are_consecutive_ranks_and_a_bad_world_is_refused():
@@ -743,7 +759,18 @@ def test_patched_family_and_module_are_checked():
     assert "this policy was written beside modeling_elsewhere_codegen.py" in _one_line(info)
     with pytest.raises(rt.PolicyError) as info:
         rt.check_patched(nn.Linear(1, 1), TOY)
-    assert _one_line(info).startswith("Linear was not loaded from a codegen-patched dir")
+    assert _one_line(info) == ("Linear (torch.nn.modules.linear) is not a class of a codegen-patched dir: load the "
+                               "patched dir with from_pretrained(DIR, trust_remote_code=True)")
+    unpatched = types.ModuleType("transformers_modules.some_dir.modeling_x")
+    remote = type("XForCausalLM", (nn.Module,), {"__module__": unpatched.__name__})
+    sys.modules[unpatched.__name__] = unpatched
+    try:
+        with pytest.raises(rt.PolicyError) as info:
+            rt.check_patched(remote(), TOY)
+    finally:
+        del sys.modules[unpatched.__name__]
+    assert _one_line(info).startswith("XForCausalLM comes from a model dir codegen has not patched: run "
+                                      "`python -m codegen patch DIR`")
 
 
 def test_a_layout_missing_keys_is_refused():
@@ -821,52 +848,107 @@ def test_own_buffer_is_found_by_its_derived_name_or_the_naming_change_is_reporte
     assert _one_line(info).startswith("DeepSpeed's shared-memory all-reduce maps /dev/shm/deepspeed_allreduce_buffer_v2")
 
 
-def test_remove_buffer_only_removes_the_file_it_recorded(tmp_path, monkeypatch):
-    monkeypatch.setattr(rt, "_REMOVING", {})
-    monkeypatch.setattr(rt, "chain_sigterm", lambda cleanup: True)
-    registered = []
-    monkeypatch.setattr(rt.atexit, "register", lambda fn, *a: registered.append((fn, a)))
+def test_the_buffer_name_goes_after_the_barrier_and_only_if_it_is_still_the_same_file(tmp_path):
     path = tmp_path / "buffer"
     path.write_bytes(b"x")
-    rt.remove_at_exit(str(path))
-    rt.remove_at_exit(str(path))  # once per path
-    assert registered == [(rt.remove_buffer, (str(path),))]
-    os.rename(path, tmp_path / "held")  # keeps the recorded inode in use
-    path.write_bytes(b"y")  # another job's file under the same name: a different inode
-    rt.remove_buffer(str(path))
-    assert path.exists()
-    rt._REMOVING[str(path)] = (path.stat().st_dev, path.stat().st_ino)
-    rt.remove_buffer(str(path))
-    assert not path.exists()
-    rt.remove_buffer(str(path))  # already gone: no error
+    order = []
+    assert rt.unlink_once_mapped(str(path), lambda: order.append("barrier")) is True
+    assert order == ["barrier"] and not path.exists()
+    path.write_bytes(b"x")
+
+    def another_job_takes_the_name():
+        os.rename(path, tmp_path / "held")  # keeps the first inode alive
+        path.write_bytes(b"y")
+
+    assert rt.unlink_once_mapped(str(path), another_job_takes_the_name) is False
+    assert path.read_bytes() == b"y"
+    assert rt.unlink_once_mapped(str(tmp_path / "absent"), lambda: None) is False
 
 
-class FakeSignals:
-    SIGTERM, SIG_DFL, SIG_IGN = signal.SIGTERM, signal.SIG_DFL, signal.SIG_IGN
-
-    def __init__(self, current):
-        self.current, self.set = current, []
-
-    def getsignal(self, signum):
-        return self.current
-
-    def signal(self, signum, handler):
-        self.set.append(handler)
-        self.current = handler
+def test_mapped_buffers_are_seen_named_or_unlinked():
+    assert rt.maps_shm_buffers(_maps("/dev/shm/deepspeed_allreduce_buffer_0_a_1_0 (deleted)")) is True
+    assert rt.maps_shm_buffers(_maps("/dev/shm/deepspeed_allreduce_buffer_0_a_1_0")) is True
+    assert rt.maps_shm_buffers(_maps()) is False
 
 
-def test_sigterm_chains_to_an_existing_handler():
-    seen = []
-    signals = FakeSignals(lambda signum, frame: seen.append("previous"))
-    assert rt.chain_sigterm(lambda: seen.append("cleanup"), signals) is True
-    signals.current(signal.SIGTERM, None)
-    assert seen == ["cleanup", "previous"]
+# ---------------------------------------------------------------------------------- the rank's process
 
 
-def test_sigterm_left_alone_when_ignored_or_set_outside_python():
-    for current in (signal.SIG_IGN, None):
-        signals = FakeSignals(current)
-        assert rt.chain_sigterm(lambda: None, signals) is False and signals.set == []
+def test_a_plain_process_at_tp1_becomes_a_local_group_of_one_and_more_ranks_need_a_launcher():
+    env = {}
+    notes, problem = rt.launcher_notes(1, env)
+    assert problem is None and env["RANK"] == "0" and env["WORLD_SIZE"] == "1" and env["MASTER_ADDR"] == "127.0.0.1"
+    assert env["MASTER_PORT"].isdigit() and env["TORCH_EXTENSIONS_DIR"] == rt.extensions_dir({})
+    assert notes == ["no launcher: running as the one rank of a local group (tp_size 1)"]
+    notes, problem = rt.launcher_notes(2, {})
+    assert "tp_size 2 needs 2 ranks" in problem and "deepspeed --num_gpus 2" in problem and "\n" not in problem
+
+
+def test_local_size_comes_from_torchruns_local_world_size_only_on_one_node():
+    torchrun = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
+    notes, problem = rt.launcher_notes(2, torchrun)
+    assert problem is None and torchrun["LOCAL_SIZE"] == "2" and notes[0].startswith("LOCAL_SIZE set to 2")
+    two_nodes = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
+    rt.launcher_notes(2, two_nodes)
+    assert "LOCAL_SIZE" not in two_nodes  # not every rank is local: DeepSpeed's shm kernel must stay off
+    deepspeed_launcher = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_SIZE": "2", "TORCH_EXTENSIONS_DIR": "/x"}
+    assert rt.launcher_notes(2, deepspeed_launcher) == ([], None) and deepspeed_launcher["TORCH_EXTENSIONS_DIR"] == "/x"
+
+
+def test_threads_are_the_ranks_share_of_the_cores_unless_omp_num_threads_says():
+    class FakeTorch:
+        threads = 64
+
+        def get_num_threads(self):
+            return self.threads
+
+        def set_num_threads(self, n):
+            self.threads = n
+
+    fake = FakeTorch()
+    note = rt.thread_note(fake, 2, {})
+    assert fake.threads == max(1, rt.usable_cores() // 2) and "OMP_NUM_THREADS is unset" in note
+    fake.threads = 64
+    assert rt.thread_note(fake, 2, {"OMP_NUM_THREADS": "7"}) is None and fake.threads == 64
+    assert rt.local_ranks({"LOCAL_WORLD_SIZE": "4"}) == 4 and rt.local_ranks({}, world=3) == 3
+
+
+def test_the_op_build_dir_is_per_environment():
+    a = rt.extensions_dir({"XDG_CACHE_HOME": "/c"}, "/envs/a/.venv")
+    b = rt.extensions_dir({"XDG_CACHE_HOME": "/c"}, "/envs/b/.venv")
+    assert a != b and a.startswith("/c/torch_extensions/codegen-.venv-") and b.startswith("/c/torch_extensions/")
+
+
+def test_fingerprints_are_exact_and_tell_different_inputs_apart():
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.equal(rt.fingerprint([ids, {"attention_mask": torch.ones(1, 3)}]),
+                       rt.fingerprint([ids.clone(), {"attention_mask": torch.ones(1, 3)}]))
+    assert not torch.equal(rt.fingerprint([ids]), rt.fingerprint([torch.tensor([[1, 3, 2]])]))  # same sum, order differs
+    assert rt.fingerprint([]).tolist() == [0.0]
+
+
+def test_lockstep_raises_on_every_rank_where_inputs_or_tokens_differ():
+    class GatheringDist(FakeDist):
+        """Two ranks; the other rank's tensors are `peer(own)`."""
+
+        def __init__(self, peer):
+            super().__init__(world=2, rank=0)
+            self.peer = peer
+
+        def all_gather(self, tensors, tensor, group=None):
+            tensors[0].copy_(tensor)
+            tensors[1].copy_(self.peer(tensor))
+
+        def broadcast(self, tensor, src, group=None):
+            self.calls.append(("broadcast", src, {}))
+
+    same = rt.Lockstep(GatheringDist(lambda t: t), None, torch.device("cpu"))
+    same.check_same(torch.tensor([1.0, 2.0]), "x")  # equal: nothing raised
+    same.share_random_state()
+    other = rt.Lockstep(GatheringDist(lambda t: t + 1), None, torch.device("cpu"))
+    with pytest.raises(rt.PolicyError) as info:
+        other.check_same(torch.tensor([5]), "chose different tokens while generating")
+    assert _one_line(info).startswith("the ranks of a tensor-parallel group chose different tokens while generating")
 
 
 # ------------------------------------------------------------------------------------- the rendered file

@@ -238,6 +238,12 @@ def test_hub_repo_id_resolves_offline_and_patches_a_linked_copy(tmp_path):
 
     in_place = codegen("patch", "acme/tiny-moe")
     assert in_place.returncode == 2 and "--out" in _one_line(in_place)
+    # refused before anything is fetched: an id that is in no cache and no hub gets the same line, not a download
+    absent = subprocess.run([sys.executable, "-m", "codegen", "patch", "acme/not-downloaded"], capture_output=True,
+                            text=True, env=_env(HF_HUB_CACHE=str(tmp_path / "empty"), HF_ENDPOINT="http://127.0.0.1:9"),
+                            cwd=ROOT, timeout=300)
+    assert absent.returncode == 2 and "pass --out DIR" in _one_line(absent)
+    assert not (tmp_path / "empty").exists()
     unknown = codegen("patch", "acme/nope", "--out", str(tmp_path / "x"))
     assert unknown.returncode == 2 and "cache" in _one_line(unknown)
     check = codegen("patch", "--check", "acme/tiny-moe")  # read-only on the snapshot: allowed

@@ -9,6 +9,7 @@ each entry is checked for the properties the rewrite promises, with `ast` and in
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata
 import json
 import re
@@ -43,6 +44,13 @@ def _result(entry: Entry) -> upstream.Result:
         pytest.fail(f"{entry.id}: {exc.message}", pytrace=False)
     except BadSource as exc:
         pytest.fail(f"{entry.id}: the pinned source no longer rewrites: {exc.message}", pytrace=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _trees(entry: Entry) -> tuple[ast.Module, ast.Module]:
+    """(original, patched) of an entry, parsed once."""
+    result = _result(entry)
+    return ast.parse(result.original), ast.parse(result.patched)
 
 
 def _stale(name: str, committed: str | None, fresh: str | None) -> str:
@@ -202,7 +210,7 @@ def test_patched_source_compiles_and_reduces_once_after_the_sum(entry: Entry) ->
     family = FAMILIES[entry.family]
     patched = result.patched
     compile(patched, entry.output_name, "exec")
-    tree = ast.parse(patched)
+    tree = _trees(entry)[1]
 
     calls = _helper_calls(tree)
     assert len(calls) == 1, f"{len(calls)} calls of {HELPER} in {entry.id}, expected exactly one"
@@ -247,8 +255,9 @@ def test_patched_source_compiles_and_reduces_once_after_the_sum(entry: Entry) ->
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_relative_imports_made_absolute_except_shipped(entry: Entry) -> None:
     result = _result(entry)
-    before = [n for n in ast.walk(ast.parse(result.original)) if isinstance(n, ast.ImportFrom) and n.level]
-    after = [n for n in ast.walk(ast.parse(result.patched)) if isinstance(n, ast.ImportFrom)]
+    original, patched = _trees(entry)
+    before = [n for n in ast.walk(original) if isinstance(n, ast.ImportFrom) and n.level]
+    after = [n for n in ast.walk(patched) if isinstance(n, ast.ImportFrom)]
     left = [n for n in after if n.level]
     for node in left:
         assert node.level == 1 and (node.module or "").split(".")[0] in entry.shipped_modules, (
@@ -294,9 +303,9 @@ def test_native_loading_declared_for_fused_experts_only(entry: Entry) -> None:
     """Every 5.x source fuses its experts (and gpt_oss fuses them in 4.x too, where the method is inert:
     4.x never calls `is_custom_code`); per-expert sources must not get the declaration."""
     result = _result(entry)
-    tree = ast.parse(result.patched)
+    original, tree = _trees(entry)
     family = FAMILIES[entry.family]
-    fused = _defines_fused_layout(ast.parse(result.original), family)
+    fused = _defines_fused_layout(original, family)
     assert fused == result.rewrite.fused_experts
     if _major(entry) is not None and _major(entry) >= 5:
         assert fused, f"{entry.id}: a transformers 5.x source without the family's fused layout"

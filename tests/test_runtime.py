@@ -145,7 +145,7 @@ def _one_line_policy_error(policy, model, tp_size) -> str:
 def test_tp_size_not_dividing_the_heads(make_dir):
     import torch
 
-    from codegen.harness.worker.model_figures import load
+    from codegen.models import load
 
     directory = _patch(make_dir("qwen2_moe"))
     model = load(str(directory), True, torch.float32)
@@ -168,20 +168,20 @@ def test_tp_size_not_dividing_the_expert_intermediate_size(make_dir):
 def test_policy_on_an_unpatched_model(make_dir):
     import torch
 
-    from codegen.harness.worker.model_figures import load
+    from codegen.models import load
 
     unpatched = make_dir("qwen2_moe", "unpatched")
     patched = _patch(make_dir("qwen2_moe", "patched"))
     model = load(str(unpatched), False, torch.float32)
     message = _one_line_policy_error(_policy(patched), model, 2)
-    assert message == ("Qwen2MoeForCausalLM was not loaded from a codegen-patched dir: "
-                       "use AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)")
+    assert message == ("Qwen2MoeForCausalLM (transformers.models.qwen2_moe.modeling_qwen2_moe) is not a class of a "
+                       "codegen-patched dir: load the patched dir with from_pretrained(DIR, trust_remote_code=True)")
 
 
 def test_policy_of_another_family(make_dir):
     import torch
 
-    from codegen.harness.worker.model_figures import load
+    from codegen.models import load
 
     qwen = _patch(make_dir("qwen2_moe"))
     deepseek = _patch(make_dir("deepseek_v2"))
@@ -193,7 +193,7 @@ def test_policy_of_another_family(make_dir):
 def test_deepspeed_missing(make_dir, monkeypatch):
     import torch
 
-    from codegen.harness.worker.model_figures import load
+    from codegen.models import load
 
     directory = _patch(make_dir("qwen2_moe"))
     model = load(str(directory), True, torch.float32)

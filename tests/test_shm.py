@@ -1,10 +1,10 @@
 """Issue 12: no DeepSpeed shared-memory buffer left behind by a served dir, and `codegen shm` for old ones.
 
 * Real 2-rank CPU runs of a patched dir under its generated policy, started the way torchrun starts
-  ranks (env:// rendezvous, LOCAL_SIZE so DeepSpeed's shm all-reduce is used). After a normal exit, and
-  after SIGTERM, no buffer of that run is left; another job's buffer (another port) is never touched.
-  Under SIGTERM a rank without a handler still dies of SIGTERM (exit status unchanged) and a rank with
-  its own handler gets it called (chained).
+  ranks (env:// rendezvous, LOCAL_SIZE so DeepSpeed's shm all-reduce is used). Once the policy is up every
+  rank's buffer name is unlinked (its memory still mapped) and no SIGTERM handler was installed: after a
+  normal exit, a SIGKILL and a SIGTERM no buffer of that run is left, the killed ranks end at once with their
+  own exit status, and another job's buffer (another port) is never touched.
 * `python -m codegen shm [--clean]` on a directory of real tmpfs files, one of them mapped by a live
   process: listed with size and age, and only the unmapped, old enough ones removed.
 """
@@ -34,21 +34,19 @@ RANK_SCRIPT = textwrap.dedent("""
     import importlib.util, json, os, signal, sys, time, torch
     model_dir, ready, mode = sys.argv[1:4]
     rank = int(os.environ["RANK"])
-    if mode == "serve" and rank == 0:  # a server's own SIGTERM handler: the policy must chain to it
-        def own(signum, frame):
-            open(os.path.join(ready, "handler0"), "w").close()
-            os._exit(3)
-        signal.signal(signal.SIGTERM, own)
-    from codegen.harness.worker.model_figures import load
+    from codegen.models import load
     model = load(model_dir, True, torch.float32)
     spec = importlib.util.spec_from_file_location("autotp_policy", os.path.join(model_dir, "autotp_policy.py"))
     policy = importlib.util.module_from_spec(spec); spec.loader.exec_module(policy)
+    handler_before = signal.getsignal(signal.SIGTERM)
+    own = "/dev/shm/" + policy.shm_buffer_name(rank)
     engine = policy.init_inference(model, tp_size=2, dtype=torch.float32)
     with torch.no_grad():
         engine.module(torch.randint(0, 64, (1, 8)))
-    own = list(policy._REMOVING)
-    json.dump({"registered": own, "existed": [os.path.exists(p) for p in own]},
-              open(os.path.join(ready, f"rank{rank}.tmp"), "w"))
+    maps = open("/proc/self/maps").read()
+    state = {"own": own, "name_exists": os.path.exists(own), "still_mapped": own + " (deleted)" in maps,
+             "handler_unchanged": signal.getsignal(signal.SIGTERM) is handler_before}
+    json.dump(state, open(os.path.join(ready, f"rank{rank}.tmp"), "w"))
     os.replace(os.path.join(ready, f"rank{rank}.tmp"), os.path.join(ready, f"rank{rank}"))
     if mode == "serve":
         time.sleep(300)
@@ -60,8 +58,8 @@ def _buffers(port: int) -> list[str]:
 
 
 def _launch(model_dir: Path, work: Path, mode: str) -> tuple[list[subprocess.Popen], int, Path]:
-    from codegen.harness.launcher import free_port
-    from codegen.harness.opcache import extensions_dir
+    from codegen.policy.runtime.environment import extensions_dir
+    from codegen.ranks import free_port
 
     port = free_port()
     script = work / "rank.py"
@@ -114,10 +112,12 @@ def other_job_buffer():
     path.unlink(missing_ok=True)
 
 
-def _check_registered(states, port):
+def _check_unlinked_once_mapped(states, port):
+    """Every rank's own buffer: its name gone from /dev/shm once the policy was up, its memory still mapped (the
+    shared-memory all-reduce ran on it), and no SIGTERM handler installed."""
     for rank, state in enumerate(states):
         own = f"{rt.SHM_DIR}/{rt.SHM_PREFIX}_{os.getuid()}_127.0.0.1_{port}_{rank}"
-        assert state == {"registered": [own], "existed": [True]}  # the shm path was in use, its own buffer only
+        assert state == {"own": own, "name_exists": False, "still_mapped": True, "handler_unchanged": True}
 
 
 @pytest.mark.runtime
@@ -130,26 +130,29 @@ def test_normal_exit_leaves_no_buffer(served_dir, tmp_path, other_job_buffer):
         for p in procs:
             p.kill() if p.poll() is None else None
     assert codes == [0, 0], (tmp_path / "exit0.log").read_text()[-2000:]
-    _check_registered(states, port)
+    _check_unlinked_once_mapped(states, port)
     assert _buffers(port) == []
     assert other_job_buffer.exists()
 
 
 @pytest.mark.runtime
-def test_sigterm_leaves_no_buffer_and_keeps_exit_status_and_handlers(served_dir, tmp_path, other_job_buffer):
+def test_sigkill_and_sigterm_leave_no_buffer_and_keep_exit_statuses(served_dir, tmp_path, other_job_buffer):
+    """A serving rank killed outright (SIGKILL: nothing of it runs) and one told to stop (SIGTERM): neither leaves a
+    buffer, and each ends of its own signal, at once (no handler of codegen's in the way)."""
     procs, port, ready = _launch(served_dir, tmp_path, "serve")
     try:
         states = _wait_ready(procs, ready)
-        assert len(_buffers(port)) == 2
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
+        assert _buffers(port) == []  # already unlinked while the ranks still serve
+        procs[0].send_signal(signal.SIGKILL)
+        procs[1].send_signal(signal.SIGTERM)
+        sent = time.monotonic()
         codes = [p.wait(timeout=60) for p in procs]
+        took = time.monotonic() - sent
     finally:
         for p in procs:
             p.kill() if p.poll() is None else None
-    _check_registered(states, port)
-    assert codes == [3, -signal.SIGTERM]  # rank 0: its own handler ran (chained); rank 1: died of SIGTERM
-    assert (ready / "handler0").exists()
+    _check_unlinked_once_mapped(states, port)
+    assert codes == [-signal.SIGKILL, -signal.SIGTERM] and took < 10
     assert _buffers(port) == []
     assert other_job_buffer.exists()
 

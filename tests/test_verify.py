@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import pytest
 
@@ -276,3 +277,8 @@ def test_verify_refuses_an_unpatched_dir_and_a_bad_world(make_dir):
     result = run_codegen("verify", directory, "--tp", 2, "--world", 3)
     assert result.returncode == 2
     assert result.stderr.strip() == "error: --world 3 must be a multiple of --tp 2"
+    started = time.monotonic()
+    result = run_codegen("verify", directory, "--tp", 3)  # bad input, refused before any rank starts
+    assert result.returncode == 2 and time.monotonic() - started < 20
+    assert result.stderr.strip().splitlines() == [f"error: {directory / 'config.json'}: --tp 3 does not divide "
+                                                  "num_attention_heads = 4: pick a tensor-parallel size that divides it"]

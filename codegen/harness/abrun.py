@@ -14,7 +14,7 @@ from codegen.harness.results import summarise_ab
 #: `toy` the default recorded run (scaled-down widths), `full` the published widths (2 layers, small vocab)
 SETTINGS: dict[str, dict] = {
     "smoke": dict(size="tiny", prompt_len=32, batches=(1,), decode_steps=4, warmup=1, prefill_repeats=2,
-                  patch_trials=1, setups=("stock", "codegen", "native"), timeout=900.0),
+                  patch_trials=1, setups=("stock", "codegen", "native"), timeout=900.0, families_of="bench"),
     "toy": dict(size="bench", prompt_len=128, batches=(1, 16), decode_steps=48, warmup=4, prefill_repeats=8,
                 patch_trials=3, setups=("stock", "codegen", "native"), timeout=1800.0),
     "full": dict(size="full", prompt_len=64, batches=(1, 16), decode_steps=16, warmup=2, prefill_repeats=3,
@@ -28,10 +28,12 @@ PAIRS = (("stock", "codegen"), ("codegen", "native"))
 
 
 def families_of(kind: str) -> tuple[str, ...]:
-    """The families a kind of run covers: those with an example shape of its size."""
+    """The families a kind of run covers: those with an example shape of its size (the smoke run: the families the
+    recorded bench covers, at tiny widths)."""
     from codegen.harness.examples import families_with
 
-    return families_with(SETTINGS[kind]["size"])
+    settings = SETTINGS[kind]
+    return families_with(settings.get("families_of", settings["size"]))
 
 
 def run_ab(kind: str, families: tuple[str, ...], tp: int, device: str, root: Path, progress: Progress,

@@ -22,12 +22,13 @@ from codegen.harness.results import record as result_record
 WORLD = 2
 
 
-def run_demo(root: Path, progress: Progress) -> dict:
-    """Build, patch and run every family on WORLD CPU ranks: the result record (codegen.harness.results)."""
+def run_demo(root: Path, progress: Progress, families: tuple[str, ...] = tuple(FAMILIES)) -> dict:
+    """Build, patch and run `families` (default: every family) on WORLD CPU ranks: the result record
+    (codegen.harness.results)."""
     started = time.monotonic()
     progress(f"before = stock AutoTP on the unpatched dir, after = the patched dir loaded with trust_remote_code "
              f"+ its autotp_policy.py, on {WORLD} CPU ranks")
-    rows, _, _ = run_ab("demo", tuple(FAMILIES), WORLD, "cpu", root, progress, echo_patch=True)
+    rows, _, _ = run_ab("demo", families, WORLD, "cpu", root, progress, echo_patch=True)
     entries = {row["family"]: row for row in rows}
     progress(f"ranks finished in {time.monotonic() - started:.1f}s")
     found = [p for family, e in entries.items() for p in ab_problems(family, e)]

@@ -92,3 +92,41 @@ def shape_of(directory: Path, family: str, size: str) -> dict:
     config = json.loads(Path(directory, CONFIG).read_text())
     return {k: config[k] for k, v in shape(family, size).items()
             if isinstance(v, int) and not isinstance(v, bool) and k in config}
+
+
+#: the chat template of the example tokenizer (what `serve`'s /v1/chat/completions renders)
+CHAT_TEMPLATE = ("{% for message in messages %}<{{ message['role'] }}>{{ message['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def build_tokenizer(out_dir: Path) -> Path:
+    """A byte-level tokenizer of exactly 256 tokens (every example's vocabulary is at least that), saved next to
+    an example checkpoint so `serve` and `generate` can run it; offline, from the `tokenizers` library alone.
+    Token ids are byte values; byte 0 is the end-of-sequence and padding token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    ordered = [ch for _, ch in sorted(_byte_level_chars().items())]
+    assert set(ordered) == set(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(ordered)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=ordered[0], pad_token=ordered[0])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+    return out_dir
+
+
+def _byte_level_chars() -> dict[int, str]:
+    """GPT-2's byte-to-unicode table: the character byte-level BPE writes for each byte value."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    table, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            table[byte] = chr(byte)
+        else:
+            table[byte] = chr(256 + extra)
+            extra += 1
+    return table

@@ -1,50 +1,25 @@
-"""The one launcher of verify, bench and demo: start N local ranks of the rank worker and collect their figures.
+"""The one launcher of verify, bench and demo: local ranks of the rank worker (codegen.ranks), their figures back.
 
-Each rank is a separate `python -m codegen _worker` process (codegen.harness.worker.main) wired up exactly as
-torchrun wires its
-workers (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT: env:// rendezvous). The
-ranks are started directly rather than through torchrun's elastic agent: the agent imports torch
-before it starts a rank, which cost ~5 s of a ~2-core machine per launch, and adds nothing for a
-fixed single-node group. If one rank fails, the others are stopped (as torchrun does); the failure
-is one line (the rank's own `rank<k>.error`, else the last error line of its output). If the port
-chosen was taken before the rendezvous, the launch is retried once on another.
-
-One launch runs several jobs (model dirs), each several phases (codegen.harness.worker.main), so a caller
-pays the process start, the imports and DeepSpeed's set-up once. Rank 0's progress lines are
-passed to `progress` while the ranks run.
-
-DeepSpeed's CPU shared-memory all-reduce needs LOCAL_SIZE (the number of local ranks; DeepSpeed's
-own launcher sets it, torchrun does not), so this sets it; the op it builds is cached by
-codegen.harness.opcache. Its shared-memory buffers (/dev/shm/deepspeed_allreduce_buffer_*, ~70 MB per rank) are
-never unlinked by DeepSpeed; this removes the ones its ranks created, keyed by the master port.
+Every rank runs `python -m codegen _worker` (codegen.harness.worker.main) on one spec. One launch runs several
+jobs (model dirs), each several phases, so a caller pays the process start, the imports and DeepSpeed's set-up
+once. Rank 0's progress lines are passed to `progress` while the ranks run. If one rank fails the others are
+stopped, and the failure is one line (the rank's own `rank<k>.error`, else the last error line of its output).
+If the port chosen was taken before the rendezvous, the launch is retried once on another. DeepSpeed's CPU
+all-reduce op the ranks build is cached by codegen.harness.opcache; the shared-memory buffers of ranks that ran
+no policy (stock AutoTP, native TP) are removed when they end.
 """
 
 from __future__ import annotations
 
-import glob
 import json
-import os
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from codegen.errors import VerifyFailed
-from codegen.harness.opcache import extensions_dir
-from codegen.harness.worker.protocol import PROGRESS
-from codegen.policy.runtime.probe import SHM_DIR, shm_job_prefix
-
-#: the ranks rendezvous on this host only
-LOOPBACK = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
+from codegen.harness.worker.protocol import PROGRESS, WORKER
+from codegen.ranks import LocalRanks, free_port, last_error_line, remove_shm_buffers
 
 
 def launch(spec: dict, world: int, timeout: float = 600.0, progress: Callable[[str], None] | None = None,
@@ -109,44 +84,18 @@ def _start(args: list[str], world: int, port: int, timeout: float, out: Path, de
 
     Returns the exit codes (rank order), whether time ran out, and the ranks' output.
     """
-    threads = max(1, (os.cpu_count() or 2) // world)
-    base = {"TORCH_EXTENSIONS_DIR": extensions_dir(), **os.environ,
-            "MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(world), "LOCAL_SIZE": str(world), "GROUP_RANK": "0",
-            "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore",
-            "PYTHONUNBUFFERED": "1", "TRANSFORMERS_VERBOSITY": "error", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
-    if device == "cpu":
-        base.setdefault("CUDA_VISIBLE_DEVICES", "")
-    procs, logs, timed_out = [], [], False
-    deadline = time.monotonic() + timeout
-    shown = 0
+    ranks = LocalRanks([WORKER, *args], world, out, device, port).start()
+    shown = [0]
+
+    def show() -> None:
+        if progress is not None:
+            shown[0] = _show_progress(out / "rank0.log", shown[0], progress)
+
     try:
-        for rank in range(world):
-            log = open(out / f"rank{rank}.log", "w+")
-            logs.append(log)
-            env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-            procs.append(subprocess.Popen([sys.executable, "-m", "codegen", "_worker", *args], env=env,
-                                          stdout=log, stderr=subprocess.STDOUT))
-        while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
-            if progress is not None:
-                shown = _show_progress(out / "rank0.log", shown, progress)
-            if time.monotonic() > deadline:
-                timed_out = True
-                break
-            time.sleep(0.1)
+        codes, timed_out = ranks.wait(time.monotonic() + timeout, show)
+        return codes, timed_out, ranks.output()
     finally:
-        for p in procs:  # a failed or late rank leaves the others waiting in a collective
-            if p.poll() is None:
-                p.kill()
-        codes = [p.wait() for p in procs]
-        if progress is not None and logs:
-            _show_progress(out / "rank0.log", shown, progress)
-        text = ""
-        for log in logs:
-            log.seek(0)
-            text += log.read()
-            log.close()
-    return codes, timed_out, text
+        ranks.close()
 
 
 def _show_progress(log: Path, shown: int, progress: Callable[[str], None]) -> int:
@@ -163,21 +112,3 @@ def _show_progress(log: Path, shown: int, progress: Callable[[str], None]) -> in
         if at >= 0:
             progress(line[at + len(PROGRESS):].rstrip())
     return shown + end
-
-
-def remove_shm_buffers(port: int) -> None:
-    """DeepSpeed's CPU all-reduce leaves its /dev/shm buffers (~66 MiB per rank) behind; drop one launch's."""
-    prefix = shm_job_prefix({"MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(port)})
-    for path in glob.glob(os.path.join(SHM_DIR, glob.escape(prefix) + "*")):
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-
-
-def last_error_line(text: str) -> str:
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    for line in reversed(lines):
-        if any(key in line for key in ("Error", "error:", "PolicyError", "Exception")) and "elastic" not in line:
-            return line[:300]
-    return lines[-1][:300] if lines else "no output"

@@ -15,6 +15,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from codegen.policy.runtime.environment import extensions_dir
+
 
 def codegen_cache() -> Path:
     """codegen's cache dir ($CODEGEN_CACHE, else $XDG_CACHE_HOME/codegen or ~/.cache/codegen), shared by clones."""
@@ -99,15 +101,3 @@ def shm_op_cached() -> bool:
     except Exception:  # noqa: BLE001
         path = None
     return bool(path and path.is_file()) or bool(list(Path(extensions_dir()).glob("deepspeed_shm_comm/*.so")))
-
-
-def extensions_dir() -> str:
-    """A torch-extensions build dir per Python environment (where DeepSpeed builds when nothing is cached).
-
-    DeepSpeed JIT-compiles its CPU shared-memory all-reduce into ~/.cache/torch_extensions/<py>_cpu,
-    shared by every environment with the same Python; two virtualenvs rebuild it there in turn (the
-    include paths differ), 1-3 minutes on 2 cores each time, inside whichever launch comes next.
-    """
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    tag = hashlib.sha256(sys.prefix.encode()).hexdigest()[:10]
-    return os.path.join(base, "torch_extensions", f"codegen-{Path(sys.prefix).name}-{tag}")

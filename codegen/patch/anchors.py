@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import libcst as cst
 import libcst.matchers as m
+from libcst.metadata import MetadataWrapper, PositionProvider
 
 from codegen.errors import BadSource
 from codegen.families import ANCHOR_RETURNED_SUM, ANCHOR_ROUTED_FINAL, ANCHOR_SHARED_SUM, Family
@@ -29,9 +30,30 @@ class Anchor:
     line: int
 
 
-def find_anchor(forward: cst.FunctionDef, target: RewriteTarget, positions, class_name: str) -> Anchor:
+class LineNumbers:
+    """The source line of any node of one top-level class: what the anchors report and the errors name.
+
+    libcst's PositionProvider walks every node of the module it is given; the anchors only ever ask about nodes of
+    the MoE block's class, so positions are resolved on a module of that class alone, then shifted to where the
+    class starts in the source (CPython's ast knows the line of its `class` keyword).
+    """
+
+    def __init__(self, cls: cst.ClassDef, class_line: int) -> None:
+        self._positions = MetadataWrapper(cst.Module(body=[cls]), unsafe_skip_copy=True).resolve(PositionProvider)
+        self._offset = class_line - self._positions[cls.name].start.line
+
+    def __getitem__(self, node: cst.CSTNode) -> int:
+        return self._positions[node].start.line + self._offset
+
+
+def class_line(tree: ast.Module, name: str) -> int:
+    """The line of `class <name>` at the top level of the source CPython parsed into `tree`."""
+    return next(n.lineno for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+
+
+def find_anchor(forward: cst.FunctionDef, target: RewriteTarget, lines: LineNumbers, class_name: str) -> Anchor:
     """The anchor of the family's kind in `forward` (one BadSource line where there is none, or several)."""
-    return _ANCHOR_FINDERS[target.family.anchor](forward, target, positions, class_name)
+    return _ANCHOR_FINDERS[target.family.anchor](forward, target, lines, class_name)
 
 
 def version_hint(target: RewriteTarget) -> str:
@@ -39,13 +61,22 @@ def version_hint(target: RewriteTarget) -> str:
     return f"{target.display_name}{seen}; known to work: {', '.join(target.family.known_good)}"
 
 
-def parse_source(text: str, target: RewriteTarget) -> cst.Module:
+@dataclass(frozen=True)
+class Parsed:
+    """A source parsed twice: CPython's tree (validation, line numbers) and libcst's (the rewrite)."""
+
+    tree: ast.Module
+    module: cst.Module
+
+
+def parse_source(text: str, target: RewriteTarget) -> Parsed:
+    """Both trees of a modeling source that is valid Python and not already patched, or one BadSource line."""
     if not text.strip():
         raise BadSource(f"{target.display_name} is empty: expected a {target.family.model_type} modeling source")
     # CPython's parser first: it rejects what Python could never import (and what crashes or stalls
     # libcst's native parser: 3000 nested parentheses segfault it) with a clean error
     try:
-        ast.parse(text)
+        tree = ast.parse(text)
     except SyntaxError as exc:
         raise BadSource(
             f"{target.display_name} is not valid Python (line {exc.lineno}: {exc.msg}): fix the file or pass --source"
@@ -54,19 +85,22 @@ def parse_source(text: str, target: RewriteTarget) -> cst.Module:
         raise BadSource(f"{target.display_name} is not valid Python ({exc}): fix the file or pass --source") from None
     except (RecursionError, MemoryError):
         raise BadSource(f"{target.display_name} nests too deeply for Python to compile: not a modeling source") from None
+    _refuse_if_already_patched(tree, target)
     try:
-        return cst.parse_module(text)
+        return Parsed(tree, cst.parse_module(text))
     except cst.ParserSyntaxError as exc:
         raise BadSource(
             f"{target.display_name} is not valid Python (line {exc.raw_line}): fix the file or pass --source"
         ) from None
 
 
-def refuse_if_already_patched(module: cst.Module, target: RewriteTarget) -> None:
-    for stmt in module.body:
-        if m.matches(stmt, m.FunctionDef(name=m.Name(REDUCE_HELPER))) or m.matches(
-            stmt, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(target=m.Name(PATCH_MARKER))])])
-        ):
+def _refuse_if_already_patched(tree: ast.Module, target: RewriteTarget) -> None:
+    """codegen's helper or marker at the top level: the source is codegen's output, not a modeling source."""
+    for stmt in tree.body:
+        helper = isinstance(stmt, ast.FunctionDef) and stmt.name == REDUCE_HELPER
+        marker = isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == PATCH_MARKER
+                                                      for t in stmt.targets)
+        if helper or marker:
             raise BadSource(
                 f"{target.display_name} was already patched by codegen: run `python -m codegen revert` "
                 "or pass --source with the unpatched modeling file"
@@ -111,7 +145,7 @@ def _mentions(node: cst.CSTNode, attrs: tuple[str, ...], names: set[str]) -> boo
     return any(m.findall(node, m.Name(n)) for n in names)
 
 
-def _find_shared_sum_anchor(forward: cst.FunctionDef, target: RewriteTarget, positions, class_name: str) -> Anchor:
+def _find_shared_sum_anchor(forward: cst.FunctionDef, target: RewriteTarget, lines: LineNumbers, class_name: str) -> Anchor:
     """Find the statement where routed experts' sum and shared expert output meet.
 
     Structural, not by name: an assignment `T = A + B` (or `T += B`) where one operand carries the shared
@@ -136,7 +170,7 @@ def _find_shared_sum_anchor(forward: cst.FunctionDef, target: RewriteTarget, pos
                 name = node.target.value
                 sides = [name in shared_names, _mentions(node.value, attrs, shared_names)]
             if sides.count(True) == 1:
-                found.append(Anchor(index, name, positions[node].start.line))
+                found.append(Anchor(index, name, lines[node]))
 
     if not found:
         raise BadSource(
@@ -153,7 +187,7 @@ def _find_shared_sum_anchor(forward: cst.FunctionDef, target: RewriteTarget, pos
     for stmt in body[: anchor.index + 1]:
         returns = m.findall(stmt, m.Return())
         if returns:
-            line = positions[returns[0]].start.line
+            line = lines[returns[0]]
             raise BadSource(
                 f"{class_name}.forward returns at line {line} before the expert sum at line {anchor.line} in "
                 f"{target.display_name}: one reduction cannot cover every path"
@@ -213,7 +247,7 @@ def _require_bound_after(
         )
 
 
-def _find_routed_final_anchor(forward: cst.FunctionDef, target: RewriteTarget, positions, class_name: str) -> Anchor:
+def _find_routed_final_anchor(forward: cst.FunctionDef, target: RewriteTarget, lines: LineNumbers, class_name: str) -> Anchor:
     """No shared expert: the routed experts' output is the block's output; reduce it once it is complete.
 
     Structural: a top-level `T = ...self.<experts>(...)...` (transformers 5.x, fused experts called once), or
@@ -227,11 +261,11 @@ def _find_routed_final_anchor(forward: cst.FunctionDef, target: RewriteTarget, p
         if m.matches(stmt, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(target=m.Name())])])):
             assign = stmt.body[0]
             if m.findall(assign.value, m.Call(func=_self_attr(experts))):
-                found.append(Anchor(index, assign.targets[0].target.value, positions[assign].start.line))
+                found.append(Anchor(index, assign.targets[0].target.value, lines[assign]))
         elif isinstance(stmt, (cst.For, cst.While)) and m.findall(stmt, _self_attr(experts)):
             for name in _accumulated_names(stmt):
                 if any(_binds(s, name) for s in body[:index]):
-                    found.append(Anchor(index, name, positions[stmt].start.line))
+                    found.append(Anchor(index, name, lines[stmt]))
 
     if not found:
         raise BadSource(
@@ -249,7 +283,7 @@ def _find_routed_final_anchor(forward: cst.FunctionDef, target: RewriteTarget, p
     for stmt in body[: anchor.index + 1]:
         returns = m.findall(stmt, m.Return())
         if returns:
-            line = positions[returns[0]].start.line
+            line = lines[returns[0]]
             raise BadSource(
                 f"{class_name}.forward returns at line {line} before the routed experts' output at line "
                 f"{anchor.line} in {target.display_name}: one reduction cannot cover every path"
@@ -269,7 +303,7 @@ def _accumulated_names(loop: cst.For | cst.While) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _find_returned_sum_anchor(forward: cst.FunctionDef, target: RewriteTarget, positions, class_name: str) -> Anchor:
+def _find_returned_sum_anchor(forward: cst.FunctionDef, target: RewriteTarget, lines: LineNumbers, class_name: str) -> Anchor:
     """The routed + shared sum is the returned value (`return routed + shared`, or a tuple's first element).
 
     Structural, as for `shared_sum`: one operand carries the shared expert output and the other does not.
@@ -280,7 +314,7 @@ def _find_returned_sum_anchor(forward: cst.FunctionDef, target: RewriteTarget, p
     shared_names = _shared_names(body, attrs)
     returns = [r for stmt in body for r in m.findall(stmt, m.Return())]
     if len(returns) != 1 or not m.matches(body[-1], m.SimpleStatementLine(body=[m.Return()])):
-        lines = ", ".join(str(positions[r].start.line) for r in returns) or "none"
+        lines = ", ".join(str(lines[r]) for r in returns) or "none"
         raise BadSource(
             f"{class_name}.forward must end in its only `return` for the returned expert sum to be reduced once "
             f"(returns at lines {lines}) in {version_hint(target)}"
@@ -292,7 +326,7 @@ def _find_returned_sum_anchor(forward: cst.FunctionDef, target: RewriteTarget, p
             f"no recognisable returned expert sum (`return routed + shared`) in {class_name}.forward of "
             f"{version_hint(target)}"
         )
-    return Anchor(len(body) - 1, "return value", positions[returns[0]].start.line)
+    return Anchor(len(body) - 1, "return value", lines[returns[0]])
 
 
 def _returned_sum(ret: cst.Return) -> cst.BinaryOperation | None:

@@ -135,10 +135,12 @@ def patch(model_dir: Path | str, *, source: Path | None = None, coalesce: bool |
     knob (on for a first patch)."""
     from codegen.patch.plan import build_plan, resolve_inputs
 
+    from codegen.patch import hub
+
+    if out is None and hub.looks_like_repo_id(str(model_dir)):  # before anything is downloaded
+        raise BadInput(f"{model_dir} is a hub repo id, whose Hugging Face cache snapshot codegen never rewrites in "
+                       f"place: pass --out DIR for a patched copy (its weights link into the cache)")
     md, repo = _locate(model_dir, revision, local_files_only)
-    if out is None and repo is not None:
-        raise BadInput(f"{repo} resolves to a shared Hugging Face cache snapshot ({md.path}), which codegen never "
-                       f"rewrites in place: pass --out DIR for a patched copy (its weights link into the cache)")
     if out is not None:
         if md.manifest() is not None:
             raise BadInput(f"{md.path} is itself patched: --out copies an unpatched dir (revert it first)")

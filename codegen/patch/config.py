@@ -139,3 +139,14 @@ def restore_info(original: dict, family: Family) -> dict:
     if original.get("model_type") != family.model_type:
         info["model_type"] = original.get("model_type")
     return info
+
+
+def check_tp_divides(config: dict, family: Family, tp: int, where: Path) -> None:
+    """Every size the family's tensor parallelism splits (on `text_config` where nested) divides by `tp`: else
+    one line (BadInput), before any rank starts."""
+    sizes = sizes_of(config)
+    for key in family.tp_divisible_keys:
+        value = sizes.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value % tp:
+            raise BadInput(f"{where}: --tp {tp} does not divide {key} = {value}: pick a tensor-parallel size "
+                           "that divides it")

@@ -10,13 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import libcst as cst
-from libcst.metadata import MetadataWrapper, PositionProvider
 
 from codegen import __version__
 from codegen.errors import BadSource
 from codegen.families import ANCHOR_RETURNED_SUM, ANCHOR_ROUTED_FINAL, KNOB, Family
-from codegen.patch.anchors import find_anchor, find_forward, find_moe_class, has_fused_experts, parse_source, \
-    refuse_if_already_patched
+from codegen.patch.anchors import LineNumbers, class_line, find_anchor, find_forward, find_moe_class, \
+    has_fused_experts, parse_source
 from codegen.render import render
 from codegen.patch.safety import check_only_intended_changes
 from codegen.patch.target import RewriteTarget
@@ -60,14 +59,12 @@ def rewrite_source(text: str, target: RewriteTarget, helper_block: str, version_
 
 
 def _rewrite(text: str, target: RewriteTarget, helper_block: str, version_guard: str | None) -> Rewrite:
-    module = parse_source(text, target)
-    refuse_if_already_patched(module, target)
+    parsed = parse_source(text, target)
+    module = parsed.module
     moe_class = find_moe_class(module, target)
     forward = find_forward(moe_class, target)
-    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
-    positions = wrapper.resolve(PositionProvider)
     class_name = moe_class.name.value
-    anchor = find_anchor(forward, target, positions, class_name)
+    anchor = find_anchor(forward, target, LineNumbers(moe_class, class_line(parsed.tree, class_name)), class_name)
     fused = has_fused_experts(module, moe_class, target.family)
 
     comment = _REDUCTION_COMMENTS.get(target.family.anchor, REDUCTION_COMMENT)

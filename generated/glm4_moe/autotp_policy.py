@@ -32,13 +32,14 @@ Each MoE block (Glm4MoeMoE), names relative to the block:
 tp_size must divide (on `text_config` when the config nests one):
     num_attention_heads, num_key_value_heads, moe_intermediate_size, intermediate_size
 With `codegen_coalesce_moe_all_reduce` false in config.json, DeepSpeed's own per-layer reductions stay and the patched
-forward does not reduce. On CPU, each rank removes its own DeepSpeed shared-memory buffer on exit and SIGTERM.
+forward does not reduce. On CPU, each rank unlinks its DeepSpeed shared-memory buffer's name once every rank
+has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 """
 
 LAYOUT = {'family': 'glm4_moe', 'moe_classes': ['Glm4MoeMoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': ''}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': [], 'attention_head_params': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size']}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_glm4_moe'
-RUNTIME_SHA256 = '2329296f147345ce59e66a6d703675379c62c2a9287cb5de0f45b0f846728cd3'
+RUNTIME_SHA256 = 'bd27f7a03437ae79d67b5e793051326c18dadeae07c27fe8b821a1c186326a36'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -194,16 +195,117 @@ def shm_paths_in_maps(text, directory=SHM_DIR):
     return found
 
 
-# ---- codegen/policy/runtime/shm.py ----
-"""This rank's DeepSpeed shared-memory buffer: found by its derived name, removed when the process ends.
+# ---- codegen/policy/runtime/environment.py ----
+"""The process a rank runs in, made right before DeepSpeed starts: any launcher, or none, and sane threads.
 
-DeepSpeed's CPU all-reduce creates one ~66 MiB buffer per rank in /dev/shm and never unlinks it; /dev/shm is
-RAM. Only this rank's own buffer is ever removed, and only while it is the very file this process mapped.
+DeepSpeed's CPU shared-memory all-reduce needs LOCAL_SIZE (its own launcher sets it; torchrun sets
+LOCAL_WORLD_SIZE instead, and without LOCAL_SIZE every rank segfaults at its first forward); a plain
+`python serve.py` has no launcher variables at all (DeepSpeed then tries MPI discovery and fails on
+mpi4py); neither launcher sets OMP_NUM_THREADS, so every rank runs as many threads as the machine has
+cores; and every environment with the same Python builds DeepSpeed's CPU op into the same
+~/.cache/torch_extensions/<py>_cpu, rebuilding it (half a minute or more) whenever environments alternate.
+Each helper here changes only what is unset, returns what it did as a one-line note, and never raises.
 """
 
-import atexit
+import hashlib
 import os
-import signal
+import socket
+import sys
+
+#: the variables a torchrun / DeepSpeed launcher gives every rank
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+
+
+def extensions_dir(env=None, prefix=None):
+    """A torch-extensions build dir of this Python environment, where DeepSpeed builds its CPU op when nothing
+    says otherwise: under ~/.cache/torch_extensions, keyed by the environment (its name and a hash of its path)."""
+    env = os.environ if env is None else env
+    prefix = sys.prefix if prefix is None else prefix
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    tag = hashlib.sha256(prefix.encode()).hexdigest()[:10]
+    return os.path.join(base, "torch_extensions", f"codegen-{os.path.basename(prefix.rstrip('/'))}-{tag}")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launcher_notes(tp_size, env=None):
+    """Fill in what DeepSpeed needs and no launcher set, before it initialises; (notes, problem).
+
+    - no launcher at all (RANK and WORLD_SIZE unset): with tp_size 1 this process is the one rank of a local
+      group (RANK 0, WORLD_SIZE 1, a free loopback port); with more, `problem` says how to start the ranks;
+    - LOCAL_SIZE unset where torchrun's LOCAL_WORLD_SIZE says every rank is on this node: LOCAL_SIZE is that;
+    - TORCH_EXTENSIONS_DIR unset: this environment's own build dir (`extensions_dir`).
+    """
+    env = os.environ if env is None else env
+    notes = []
+    if not any(name in env for name in ("RANK", "WORLD_SIZE")):
+        if tp_size != 1:
+            return notes, (f"tp_size {tp_size} needs {tp_size} ranks, and this process was not started by a "
+                           f"launcher: run it with `deepspeed --num_gpus {tp_size} SCRIPT` (CPU too) or "
+                           f"`torchrun --nproc_per_node {tp_size} SCRIPT`, or serve the dir with "
+                           f"`python -m codegen serve DIR --tp {tp_size}`")
+        env.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "LOCAL_SIZE": "1",
+                    "MASTER_ADDR": env.get("MASTER_ADDR", "127.0.0.1")})
+        env.setdefault("MASTER_PORT", str(_free_port()))
+        notes.append("no launcher: running as the one rank of a local group (tp_size 1)")
+    if "LOCAL_SIZE" not in env and env.get("LOCAL_WORLD_SIZE") and env.get("LOCAL_WORLD_SIZE") == env.get("WORLD_SIZE"):
+        env["LOCAL_SIZE"] = env["LOCAL_WORLD_SIZE"]
+        notes.append(f"LOCAL_SIZE set to {env['LOCAL_SIZE']} from LOCAL_WORLD_SIZE (every rank on this node), "
+                     "which DeepSpeed's CPU all-reduce needs")
+    if "TORCH_EXTENSIONS_DIR" not in env:
+        env["TORCH_EXTENSIONS_DIR"] = extensions_dir(env)
+    return notes, None
+
+
+def local_ranks(env=None, world=1):
+    """How many ranks share this node: what the launcher says, else the whole group."""
+    env = os.environ if env is None else env
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        value = env.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return max(1, world)
+
+
+def usable_cores():
+    """The cores this process may run on (its CPU affinity), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def thread_note(torch, ranks, env=None):
+    """With OMP_NUM_THREADS unset, give each of the `ranks` local ranks its share of the cores; an explicit
+    setting is left as it is. Returns the note to say, or None."""
+    env = os.environ if env is None else env
+    if env.get("OMP_NUM_THREADS"):
+        return None
+    threads = max(1, usable_cores() // max(1, ranks))
+    if torch.get_num_threads() == threads:
+        return None
+    torch.set_num_threads(threads)
+    return (f"OMP_NUM_THREADS is unset: each of the {ranks} local ranks uses {threads} thread(s) of "
+            f"{usable_cores()} cores (set OMP_NUM_THREADS to choose)")
+
+
+# ---- codegen/policy/runtime/shm.py ----
+"""This rank's DeepSpeed shared-memory buffer: found by its derived name, its name unlinked as soon as every rank
+has mapped it.
+
+DeepSpeed's CPU all-reduce creates one ~66 MiB buffer per rank in /dev/shm (RAM) and never unlinks it. Each rank
+maps every peer's buffer, by name, while DeepSpeed initialises; after that the names are never used again, and a
+mapping outlives its name. So once every rank is past initialisation (one barrier), each rank unlinks its own
+buffer's name: the memory stays mapped until the ranks exit, and is freed by the kernel whatever ends them, SIGKILL
+included. No signal handler is involved, so nothing delays SIGTERM. Only this rank's own buffer is ever removed,
+and only while it is the very file this process mapped (same inode).
+"""
+
+import os
 
 
 
@@ -218,8 +320,9 @@ def _own_maps():
 def own_shm_buffer(rank, maps=None, env=None):
     """This rank's shm buffer path when DeepSpeed's shared-memory all-reduce is in use here, else None.
 
-    In use = this process maps DeepSpeed shm buffers. Then one of them must carry the name derived for this
-    rank (uid, MASTER_ADDR, MASTER_PORT, rank); if none does, the naming changed and nothing is deleted.
+    In use = this process maps DeepSpeed shm buffers by a name that still exists. Then one of them must carry the
+    name derived for this rank (uid, MASTER_ADDR, MASTER_PORT, rank); if none does, the naming changed and nothing
+    is deleted.
     """
     mapped = shm_paths_in_maps(_own_maps() if maps is None else maps)
     if not mapped:
@@ -231,58 +334,31 @@ def own_shm_buffer(rank, maps=None, env=None):
     return path
 
 
-_REMOVING = {}
+def maps_shm_buffers(maps=None):
+    """Whether this process maps DeepSpeed shm buffers at all (named or already unlinked): the shm kernel is live."""
+    text = _own_maps() if maps is None else maps
+    return any(f"{SHM_DIR}/{SHM_PREFIX}_" in line for line in text.splitlines())
 
 
-def remove_at_exit(path):
-    """Unlink this rank's own shm buffer when the process ends: normal exit (atexit) and SIGTERM.
+def unlink_once_mapped(path, barrier):
+    """Unlink `path`, this rank's buffer, after `barrier()` (every rank has mapped every peer's buffer by then).
 
-    Only `path`, and only while it is still the file this process mapped (same inode): another job's
-    buffers carry another master address or port, and are never touched.
+    Only while `path` is still the file it was before the barrier (same device and inode), the one this process
+    maps: a file of another job that took the name meanwhile is left alone. Returns whether it was unlinked.
     """
-    if path in _REMOVING:
-        return
-    stat = os.stat(path)
-    _REMOVING[path] = (stat.st_dev, stat.st_ino)
-    atexit.register(remove_buffer, path)
-    chain_sigterm(lambda: remove_buffer(path))
-
-
-def remove_buffer(path):
-    """Unlink `path` if it is still the buffer `remove_at_exit` recorded; never raises (runs at exit)."""
-    identity = _REMOVING.get(path)
     try:
-        stat = os.stat(path)
-        if identity == (stat.st_dev, stat.st_ino):
+        before = os.stat(path)
+    except OSError:
+        return False
+    barrier()
+    try:
+        now = os.stat(path)
+        if (now.st_dev, now.st_ino) == (before.st_dev, before.st_ino):
             os.unlink(path)
+            return True
     except OSError:
         pass
-
-
-def chain_sigterm(cleanup, signals=signal):
-    """Run `cleanup` on SIGTERM, then what would have happened without it.
-
-    An existing Python handler is chained to; with none (the default action) the process then dies of
-    SIGTERM as before, so its exit status is unchanged. An ignored SIGTERM, or a handler set outside
-    Python, is left alone (atexit still covers a normal exit). Off the main thread nothing is installed.
-    """
-    previous = signals.getsignal(signals.SIGTERM)
-    if previous is signals.SIG_IGN or previous is None:
-        return False
-
-    def on_sigterm(signum, frame):
-        cleanup()
-        if callable(previous):
-            return previous(signum, frame)
-        signals.signal(signum, signals.SIG_DFL)
-        os.kill(os.getpid(), signum)
-        return None
-
-    try:
-        signals.signal(signals.SIGTERM, on_sigterm)
-    except ValueError:  # not the main thread
-        return False
-    return True
+    return False
 
 
 # ---- codegen/policy/runtime/groups.py ----
@@ -379,14 +455,22 @@ class TensorParallelGroups:
         return self.dist.get_rank(group=self.group)
 
 
-def keep_reductions_in_group(backend, dist, several_groups):
-    """DeepSpeed's CPU shared-memory all-reduce spans every local rank and ignores `group`.
+def route_inference_reductions(backend, dist, several_groups, shm_live):
+    """Send the backend's inference reductions through torch.distributed where DeepSpeed's CPU shared-memory
+    kernel would be wrong or crash; returns a note saying so, or None.
 
-    With several TP groups per node (4 ranks, tp_size 2) it would sum over WORLD: route the backend's
-    inference reductions through torch.distributed, which honours the group, in that case only.
+    - several TP groups per node (4 ranks, tp_size 2): the kernel spans every local rank and ignores `group`, so it
+      would sum over WORLD;
+    - the kernel is built but was never set up in this process (DeepSpeed initialised without LOCAL_SIZE, before
+      the policy could set it, or ranks on several nodes): its first reduction would segfault.
     """
-    if several_groups and backend.shm_comm_op is not None:
-        backend.inference_all_reduce = GroupInferenceAllReduce(dist)
+    if backend is None or backend.shm_comm_op is None or (shm_live and not several_groups):
+        return None
+    backend.inference_all_reduce = GroupInferenceAllReduce(dist)
+    if several_groups:
+        return None
+    return ("DeepSpeed's shared-memory all-reduce was not set up (LOCAL_SIZE unset when DeepSpeed initialised, or "
+            "ranks on several nodes): reducing through torch.distributed instead")
 
 
 # ---- codegen/policy/runtime/experts.py ----
@@ -725,6 +809,105 @@ def check_replicated(kept):
             raise PolicyError(f"{entry['where']} was split or changed by DeepSpeed: it must stay replicated")
 
 
+# ---- codegen/policy/runtime/lockstep.py ----
+"""Generation in lockstep: every rank of a tensor-parallel group produces the same tokens, or all stop with one line.
+
+The ranks compute identical logits (every partial sum is all-reduced), so they diverge only through what each
+feeds `generate`: its own random generator (a script that seeds `torch.manual_seed(seed + rank)`) or its own
+inputs. Diverged ranks either produce different sequences silently or, when one stops early (an EOS), leave the
+others waiting in a collective forever. So each `generate` call
+- first broadcasts the group's first rank's random state to every rank (one broadcast of the generator state,
+  ~5 KB on CPU) and checks that every rank got the same inputs (one all-gather of a fingerprint per tensor);
+- then, at every decoding step, checks that every rank chose the same tokens (one all-gather of the batch's new
+  token ids); a rank that would diverge raises a PolicyError on every rank at the same step, never a hang.
+"""
+
+import torch
+
+
+
+def fingerprint(value):
+    """Exact per-tensor digest of the tensors in `value` (nested lists, tuples, dicts): element count, sum and
+    position-weighted sum, in float64; identical inputs give identical digests on every rank."""
+    found = []
+
+    def walk(item):
+        if isinstance(item, torch.Tensor):
+            flat = item.detach().reshape(-1).to("cpu", torch.float64)
+            weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64)
+            found.extend([float(flat.numel()), float(flat.sum()), float((flat * weights).sum())])
+        elif isinstance(item, dict):
+            for key in sorted(item, key=str):
+                walk(item[key])
+        elif isinstance(item, (list, tuple)):
+            for part in item:
+                walk(part)
+
+    walk(value)
+    return torch.tensor(found or [0.0], dtype=torch.float64)
+
+
+class Lockstep:
+    """The group's collectives for one model: random state broadcast, inputs and step tokens compared."""
+
+    def __init__(self, dist, group, device):
+        self.dist = dist
+        self.group = group
+        self.device = device
+        self.world = dist.get_world_size(group=group)
+        self.first = torch.distributed.get_process_group_ranks(group)[0] if group is not None else 0
+
+    def _gathered(self, tensor):
+        tensor = tensor.to(self.device)
+        out = [torch.empty_like(tensor) for _ in range(self.world)]
+        self.dist.all_gather(out, tensor, group=self.group)
+        return [t.cpu() for t in out]
+
+    def share_random_state(self):
+        state = torch.get_rng_state().to(self.device)
+        self.dist.broadcast(state, src=self.first, group=self.group)
+        torch.set_rng_state(state.cpu())
+        if self.device.type == "cuda":
+            cuda_state = torch.cuda.get_rng_state().to(self.device)
+            self.dist.broadcast(cuda_state, src=self.first, group=self.group)
+            torch.cuda.set_rng_state(cuda_state.cpu())
+
+    def check_same(self, tensor, what):
+        rows = self._gathered(tensor)
+        if tensor.numel() and any(r.shape != rows[0].shape or not torch.equal(r, rows[0]) for r in rows):
+            raise PolicyError(f"the ranks of a tensor-parallel group {what}: every rank must call generate with "
+                              "the same inputs (the policy shares the random state, so per-rank seeds are fine)")
+
+
+def keep_in_lockstep(model, dist, group, device):
+    """Wrap `model.generate` (on the instance) so the group's ranks generate in lockstep; returns the wrapper."""
+    if not callable(getattr(model, "generate", None)) or getattr(model.generate, "_codegen_lockstep", False):
+        return getattr(model, "generate", None)
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    original = model.generate
+    lockstep = Lockstep(dist, group, device)
+
+    class SameTokens(StoppingCriteria):
+        """Never stops a sequence; raises where the ranks chose different tokens at this step."""
+
+        def __call__(self, input_ids, scores, **kwargs):
+            lockstep.check_same(input_ids[:, -1].to(torch.int64), "chose different tokens while generating")
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def generate(*args, **kwargs):
+        lockstep.share_random_state()
+        lockstep.check_same(fingerprint([args, {k: v for k, v in kwargs.items() if k != "streamer"}]),
+                            "were given different inputs to generate")
+        criteria = StoppingCriteriaList(list(kwargs.pop("stopping_criteria", None) or []) + [SameTokens()])
+        return original(*args, stopping_criteria=criteria, **kwargs)
+
+    generate._codegen_lockstep = True
+    generate.__doc__ = original.__doc__
+    model.generate = generate
+    return generate
+
+
 # ---- codegen/policy/runtime/entry.py ----
 """`init_inference`: shard a codegen-patched MoE model with DeepSpeed AutoTP and reduce once per MoE layer.
 
@@ -735,6 +918,8 @@ module, there is no header and `shard_model` takes the layout explicitly (the un
 """
 
 import sys
+
+import torch
 
 
 
@@ -764,7 +949,11 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
     deepspeed, dist = _import_deepspeed()
     check_patched(model, layout)
     check_sizes(model.config, tp_size, layout)
+    notes = []
     if not dist.is_initialized():
+        notes, problem = launcher_notes(tp_size)
+        if problem:
+            raise PolicyError(problem)
         deepspeed.init_distributed()
     coalesce = bool(getattr(model.config, knob, False))
     blocks = moe_blocks(model, layout)
@@ -786,8 +975,12 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
     several_groups = world != dist.get_world_size()
     shm_buffer = own_shm_buffer(dist.get_rank())
     probe_deepspeed(deepspeed, shm_in_use=shm_buffer is not None)
+    # every rank is past DeepSpeed's shm set-up, so each has mapped every peer's buffer: the names can go
     if shm_buffer is not None:
-        remove_at_exit(shm_buffer)
+        unlink_once_mapped(shm_buffer, dist.barrier)
+    elif dist.get_world_size() > 1:
+        dist.barrier()
+    notes.append(thread_note(torch, local_ranks(world=dist.get_world_size())))
     deepspeed_kwargs.setdefault("replace_with_kernel_inject", False)
     deepspeed_kwargs["dtype"] = dtype if dtype is not None else next(model.parameters()).dtype
 
@@ -800,7 +993,8 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
     if getattr(engine, "mp_group", None) is not group:
         raise PolicyError("deepspeed.init_inference did not take its tensor-parallel group from `mpu`: "
                           f"unsupported DeepSpeed, use {SUPPORTED_DEEPSPEED}")
-    keep_reductions_in_group(lookup(deepspeed, "comm.comm.cdb"), dist, several_groups)
+    notes.append(route_inference_reductions(lookup(deepspeed, "comm.comm.cdb"), dist, several_groups,
+                                            maps_shm_buffers()))
     column = lookup(deepspeed, "module_inject.layers.LinearLayer")
     row = lookup(deepspeed, "module_inject.layers.LinearAllreduce")
     rank = dist.get_rank(group=group)
@@ -812,7 +1006,22 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
             shard_experts(block, name, rank, world, layout, column, row)
             setattr(block, REDUCER_ATTR, reducer)
     check_replicated(kept)
+    if world > 1:
+        keep_in_lockstep(engine.module, dist, group, _device_of(engine.module))
+    say(dist.get_rank(), notes)
     return engine
+
+
+def _device_of(model):
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def say(rank, notes):
+    """The notes of this start, once per job (rank 0), one line each on stderr."""
+    if rank == 0:
+        for note in notes:
+            if note:
+                print(f"codegen policy: {note}", file=sys.stderr, flush=True)
 
 
 
@@ -839,10 +1048,12 @@ def check_patched(model, layout, modeling_module=None):
     module_name = type(model).__module__
     patch = getattr(sys.modules.get(module_name), PATCH_MARKER, None)
     if not isinstance(patch, dict):
-        raise PolicyError(
-            f"{type(model).__name__} was not loaded from a codegen-patched dir: "
-            "use AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)"
-        )
+        if module_name.startswith("transformers_modules"):  # the dir's own remote code, never patched
+            raise PolicyError(f"{type(model).__name__} comes from a model dir codegen has not patched: run "
+                              "`python -m codegen patch DIR`, then load it with from_pretrained(DIR, "
+                              "trust_remote_code=True)")
+        raise PolicyError(f"{type(model).__name__} ({module_name}) is not a class of a codegen-patched dir: load the "
+                          "patched dir with from_pretrained(DIR, trust_remote_code=True)")
     family = layout["family"]
     if patch.get("family") != family:
         raise PolicyError(f"model was patched for {patch.get('family')!r}, this policy is for {family!r}: re-run patch")

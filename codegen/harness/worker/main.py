@@ -41,7 +41,7 @@ from codegen.harness.opcache import preload_shm_op, save_shm_op  # noqa: E402
 from codegen.harness.worker.ab import measure_ab  # noqa: E402
 from codegen.harness.worker.counting import CollectiveCounter  # noqa: E402
 from codegen.harness.worker.forward import measure_built  # noqa: E402
-from codegen.harness.worker.model_figures import model_config  # noqa: E402
+from codegen.models import model_config  # noqa: E402
 from codegen.harness.worker.protocol import DEFAULTS, PHASES  # noqa: E402
 from codegen.harness.worker.reference import Reference, release_heap  # noqa: E402
 from codegen.harness.worker.run import Run, guarded  # noqa: E402

@@ -7,16 +7,11 @@ decoder layer's attention and MLP attributes, fused expert Parameters.
 from __future__ import annotations
 
 import gc
-import importlib.util
-import json
-import os
-from pathlib import Path
 
 import torch
 
 from codegen.families import FAMILIES, moe_class_names
 from codegen.harness.memory import FUSED, ROW_PARALLEL_BIASES, is_expert_param
-from codegen.modeldir.layout import CONFIG, POLICY_FILE
 from codegen.policy.runtime.base import REDUCER_ATTR, SHARDED_FLAG
 
 MOE_CLASSES = moe_class_names()
@@ -26,37 +21,6 @@ ROUTERS = {cls: family.routers for family in FAMILIES.values() for cls in family
 MLP_ATTRS = tuple(dict.fromkeys(a for family in FAMILIES.values() for a in family.moe_block_attrs))
 #: decoder-layer attributes holding an attention block (of any kind), every family
 ATTENTION_ATTRS = tuple(dict.fromkeys(a for family in FAMILIES.values() for a in family.attention_attrs))
-
-
-def model_config(directory: str) -> dict:
-    return json.loads(Path(directory, CONFIG).read_text())
-
-
-def _dtype_kw() -> str:
-    import transformers
-    from packaging.version import Version
-
-    return "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
-
-
-def load(directory: str, remote: bool, dtype: torch.dtype, **extra):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=remote, **{_dtype_kw(): dtype},
-                                                **extra).eval()
-
-
-def has_remote_code(directory: str) -> bool:
-    return bool(model_config(directory).get("auto_map"))
-
-
-def load_policy(directory: str, name: str):
-    """The dir's generated autotp_policy.py, imported as a module."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(directory, POLICY_FILE))
-    policy = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(policy)
-    return policy
-
 
 
 def moe_blocks(model) -> list:

@@ -12,7 +12,8 @@ import time
 
 import torch
 
-from codegen.harness.worker.model_figures import cache_of, gate_types, gate_weights, has_remote_code, load, param_bytes
+from codegen.harness.worker.model_figures import cache_of, gate_types, gate_weights, param_bytes
+from codegen.models import has_remote_code, load
 from codegen.harness.worker.run import Run
 
 
@@ -74,7 +75,7 @@ def single_process_error(run: Run, directory: str, ids: torch.Tensor, ref: Refer
     (partial sums rounded per rank) but should be of the same size.
     """
     model = load(directory, has_remote_code(directory), run.dtype).to(run.device)
-    agree = total = 0
+    agreeing = total = 0
     with torch.no_grad():
         out = model(ids, use_cache=True)
         logits = out.logits.float().cpu()
@@ -87,10 +88,10 @@ def single_process_error(run: Run, directory: str, ids: torch.Tensor, ref: Refer
             figures["decode_maxdiff"] = max(figures["decode_maxdiff"], (logits - expected).abs().max().item())
             figures["decode_relative"] = max(figures["decode_relative"], relative(logits, expected))
             same, n = agree(logits, expected)
-            agree, total = agree + same, total + n
+            agreeing, total = agreeing + same, total + n
     del model, out, cache
     gc.collect()
-    return {**figures, "dtype": run.dtype_name, "tokens_agree": agree, "tokens_total": total}
+    return {**figures, "dtype": run.dtype_name, "tokens_agree": agreeing, "tokens_total": total}
 
 
 def greedy(model, ids, n: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ import os
 import torch
 
 from codegen.harness.worker.counting import CollectiveCounter
-from codegen.harness.worker.model_figures import has_remote_code, load, load_policy
+from codegen.models import has_remote_code, load, load_policy
 from codegen.harness.worker.protocol import PROGRESS
 
 #: how progress lines name each setup of the ab phase

@@ -8,13 +8,17 @@ module, there is no header and `shard_model` takes the layout explicitly (the un
 
 import sys
 
+import torch
+
 from codegen.policy.runtime.attention import (check_replicated, detach_replicated, head_param_owners, reattach,
                                               shard_head_params)
 from codegen.policy.runtime.base import PATCH_MARKER, REDUCER_ATTR, SUPPORTED_DEEPSPEED, PolicyError
 from codegen.policy.runtime.experts import shard_experts
-from codegen.policy.runtime.groups import CoalescedAllReduce, TensorParallelGroups, keep_reductions_in_group
+from codegen.policy.runtime.environment import launcher_notes, local_ranks, thread_note
+from codegen.policy.runtime.groups import CoalescedAllReduce, TensorParallelGroups, route_inference_reductions
+from codegen.policy.runtime.lockstep import keep_in_lockstep
 from codegen.policy.runtime.probe import deepspeed_problems, lookup
-from codegen.policy.runtime.shm import own_shm_buffer, remove_at_exit
+from codegen.policy.runtime.shm import maps_shm_buffers, own_shm_buffer, unlink_once_mapped
 
 
 def init_inference(model, tp_size, dtype=None, **deepspeed_kwargs):
@@ -43,7 +47,11 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
     deepspeed, dist = _import_deepspeed()
     check_patched(model, layout)
     check_sizes(model.config, tp_size, layout)
+    notes = []
     if not dist.is_initialized():
+        notes, problem = launcher_notes(tp_size)
+        if problem:
+            raise PolicyError(problem)
         deepspeed.init_distributed()
     coalesce = bool(getattr(model.config, knob, False))
     blocks = moe_blocks(model, layout)
@@ -65,8 +73,12 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
     several_groups = world != dist.get_world_size()
     shm_buffer = own_shm_buffer(dist.get_rank())
     probe_deepspeed(deepspeed, shm_in_use=shm_buffer is not None)
+    # every rank is past DeepSpeed's shm set-up, so each has mapped every peer's buffer: the names can go
     if shm_buffer is not None:
-        remove_at_exit(shm_buffer)
+        unlink_once_mapped(shm_buffer, dist.barrier)
+    elif dist.get_world_size() > 1:
+        dist.barrier()
+    notes.append(thread_note(torch, local_ranks(world=dist.get_world_size())))
     deepspeed_kwargs.setdefault("replace_with_kernel_inject", False)
     deepspeed_kwargs["dtype"] = dtype if dtype is not None else next(model.parameters()).dtype
 
@@ -79,7 +91,8 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
     if getattr(engine, "mp_group", None) is not group:
         raise PolicyError("deepspeed.init_inference did not take its tensor-parallel group from `mpu`: "
                           f"unsupported DeepSpeed, use {SUPPORTED_DEEPSPEED}")
-    keep_reductions_in_group(lookup(deepspeed, "comm.comm.cdb"), dist, several_groups)
+    notes.append(route_inference_reductions(lookup(deepspeed, "comm.comm.cdb"), dist, several_groups,
+                                            maps_shm_buffers()))
     column = lookup(deepspeed, "module_inject.layers.LinearLayer")
     row = lookup(deepspeed, "module_inject.layers.LinearAllreduce")
     rank = dist.get_rank(group=group)
@@ -91,7 +104,22 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
             shard_experts(block, name, rank, world, layout, column, row)
             setattr(block, REDUCER_ATTR, reducer)
     check_replicated(kept)
+    if world > 1:
+        keep_in_lockstep(engine.module, dist, group, _device_of(engine.module))
+    say(dist.get_rank(), notes)
     return engine
+
+
+def _device_of(model):
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def say(rank, notes):
+    """The notes of this start, once per job (rank 0), one line each on stderr."""
+    if rank == 0:
+        for note in notes:
+            if note:
+                print(f"codegen policy: {note}", file=sys.stderr, flush=True)
 
 
 
@@ -118,10 +146,12 @@ def check_patched(model, layout, modeling_module=None):
     module_name = type(model).__module__
     patch = getattr(sys.modules.get(module_name), PATCH_MARKER, None)
     if not isinstance(patch, dict):
-        raise PolicyError(
-            f"{type(model).__name__} was not loaded from a codegen-patched dir: "
-            "use AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)"
-        )
+        if module_name.startswith("transformers_modules"):  # the dir's own remote code, never patched
+            raise PolicyError(f"{type(model).__name__} comes from a model dir codegen has not patched: run "
+                              "`python -m codegen patch DIR`, then load it with from_pretrained(DIR, "
+                              "trust_remote_code=True)")
+        raise PolicyError(f"{type(model).__name__} ({module_name}) is not a class of a codegen-patched dir: load the "
+                          "patched dir with from_pretrained(DIR, trust_remote_code=True)")
     family = layout["family"]
     if patch.get("family") != family:
         raise PolicyError(f"model was patched for {patch.get('family')!r}, this policy is for {family!r}: re-run patch")

@@ -92,11 +92,19 @@ class TensorParallelGroups:
         return self.dist.get_rank(group=self.group)
 
 
-def keep_reductions_in_group(backend, dist, several_groups):
-    """DeepSpeed's CPU shared-memory all-reduce spans every local rank and ignores `group`.
+def route_inference_reductions(backend, dist, several_groups, shm_live):
+    """Send the backend's inference reductions through torch.distributed where DeepSpeed's CPU shared-memory
+    kernel would be wrong or crash; returns a note saying so, or None.
 
-    With several TP groups per node (4 ranks, tp_size 2) it would sum over WORLD: route the backend's
-    inference reductions through torch.distributed, which honours the group, in that case only.
+    - several TP groups per node (4 ranks, tp_size 2): the kernel spans every local rank and ignores `group`, so it
+      would sum over WORLD;
+    - the kernel is built but was never set up in this process (DeepSpeed initialised without LOCAL_SIZE, before
+      the policy could set it, or ranks on several nodes): its first reduction would segfault.
     """
-    if several_groups and backend.shm_comm_op is not None:
-        backend.inference_all_reduce = GroupInferenceAllReduce(dist)
+    if backend is None or backend.shm_comm_op is None or (shm_live and not several_groups):
+        return None
+    backend.inference_all_reduce = GroupInferenceAllReduce(dist)
+    if several_groups:
+        return None
+    return ("DeepSpeed's shared-memory all-reduce was not set up (LOCAL_SIZE unset when DeepSpeed initialised, or "
+            "ranks on several nodes): reducing through torch.distributed instead")

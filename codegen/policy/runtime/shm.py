@@ -1,15 +1,18 @@
-"""This rank's DeepSpeed shared-memory buffer: found by its derived name, removed when the process ends.
+"""This rank's DeepSpeed shared-memory buffer: found by its derived name, its name unlinked as soon as every rank
+has mapped it.
 
-DeepSpeed's CPU all-reduce creates one ~66 MiB buffer per rank in /dev/shm and never unlinks it; /dev/shm is
-RAM. Only this rank's own buffer is ever removed, and only while it is the very file this process mapped.
+DeepSpeed's CPU all-reduce creates one ~66 MiB buffer per rank in /dev/shm (RAM) and never unlinks it. Each rank
+maps every peer's buffer, by name, while DeepSpeed initialises; after that the names are never used again, and a
+mapping outlives its name. So once every rank is past initialisation (one barrier), each rank unlinks its own
+buffer's name: the memory stays mapped until the ranks exit, and is freed by the kernel whatever ends them, SIGKILL
+included. No signal handler is involved, so nothing delays SIGTERM. Only this rank's own buffer is ever removed,
+and only while it is the very file this process mapped (same inode).
 """
 
-import atexit
 import os
-import signal
 
 from codegen.policy.runtime.base import SUPPORTED_DEEPSPEED, PolicyError
-from codegen.policy.runtime.probe import SHM_DIR, shm_buffer_name, shm_paths_in_maps
+from codegen.policy.runtime.probe import SHM_DIR, SHM_PREFIX, shm_buffer_name, shm_paths_in_maps
 
 
 def _own_maps():
@@ -23,8 +26,9 @@ def _own_maps():
 def own_shm_buffer(rank, maps=None, env=None):
     """This rank's shm buffer path when DeepSpeed's shared-memory all-reduce is in use here, else None.
 
-    In use = this process maps DeepSpeed shm buffers. Then one of them must carry the name derived for this
-    rank (uid, MASTER_ADDR, MASTER_PORT, rank); if none does, the naming changed and nothing is deleted.
+    In use = this process maps DeepSpeed shm buffers by a name that still exists. Then one of them must carry the
+    name derived for this rank (uid, MASTER_ADDR, MASTER_PORT, rank); if none does, the naming changed and nothing
+    is deleted.
     """
     mapped = shm_paths_in_maps(_own_maps() if maps is None else maps)
     if not mapped:
@@ -36,55 +40,28 @@ def own_shm_buffer(rank, maps=None, env=None):
     return path
 
 
-_REMOVING = {}
+def maps_shm_buffers(maps=None):
+    """Whether this process maps DeepSpeed shm buffers at all (named or already unlinked): the shm kernel is live."""
+    text = _own_maps() if maps is None else maps
+    return any(f"{SHM_DIR}/{SHM_PREFIX}_" in line for line in text.splitlines())
 
 
-def remove_at_exit(path):
-    """Unlink this rank's own shm buffer when the process ends: normal exit (atexit) and SIGTERM.
+def unlink_once_mapped(path, barrier):
+    """Unlink `path`, this rank's buffer, after `barrier()` (every rank has mapped every peer's buffer by then).
 
-    Only `path`, and only while it is still the file this process mapped (same inode): another job's
-    buffers carry another master address or port, and are never touched.
+    Only while `path` is still the file it was before the barrier (same device and inode), the one this process
+    maps: a file of another job that took the name meanwhile is left alone. Returns whether it was unlinked.
     """
-    if path in _REMOVING:
-        return
-    stat = os.stat(path)
-    _REMOVING[path] = (stat.st_dev, stat.st_ino)
-    atexit.register(remove_buffer, path)
-    chain_sigterm(lambda: remove_buffer(path))
-
-
-def remove_buffer(path):
-    """Unlink `path` if it is still the buffer `remove_at_exit` recorded; never raises (runs at exit)."""
-    identity = _REMOVING.get(path)
     try:
-        stat = os.stat(path)
-        if identity == (stat.st_dev, stat.st_ino):
+        before = os.stat(path)
+    except OSError:
+        return False
+    barrier()
+    try:
+        now = os.stat(path)
+        if (now.st_dev, now.st_ino) == (before.st_dev, before.st_ino):
             os.unlink(path)
+            return True
     except OSError:
         pass
-
-
-def chain_sigterm(cleanup, signals=signal):
-    """Run `cleanup` on SIGTERM, then what would have happened without it.
-
-    An existing Python handler is chained to; with none (the default action) the process then dies of
-    SIGTERM as before, so its exit status is unchanged. An ignored SIGTERM, or a handler set outside
-    Python, is left alone (atexit still covers a normal exit). Off the main thread nothing is installed.
-    """
-    previous = signals.getsignal(signals.SIGTERM)
-    if previous is signals.SIG_IGN or previous is None:
-        return False
-
-    def on_sigterm(signum, frame):
-        cleanup()
-        if callable(previous):
-            return previous(signum, frame)
-        signals.signal(signum, signals.SIG_DFL)
-        os.kill(os.getpid(), signum)
-        return None
-
-    try:
-        signals.signal(signals.SIGTERM, on_sigterm)
-    except ValueError:  # not the main thread
-        return False
-    return True
+    return False

@@ -1,0 +1,63 @@
+"""Loading a model dir with the installed transformers, the one way the harness and `serve` do it.
+
+The auto class is the one the dir's config names (its `auto_map`, else its model type's mapping): the causal-LM
+class where there is one, else the image-text-to-text class of a multimodal wrapper. The dtype keyword is the
+installed release's (`dtype` from 4.56, `torch_dtype` before). The dir's generated policy is imported as a module.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+from codegen.modeldir.layout import CONFIG, POLICY_FILE
+
+#: auto classes tried, in order, for the model a dir holds (text only first)
+AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForImageTextToText")
+
+
+def model_config(directory: str | Path) -> dict:
+    return json.loads(Path(directory, CONFIG).read_text())
+
+
+def has_remote_code(directory: str | Path) -> bool:
+    return bool(model_config(directory).get("auto_map"))
+
+
+def dtype_keyword() -> str:
+    import transformers
+    from packaging.version import Version
+
+    return "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+
+
+def auto_class(directory: str | Path):
+    """The transformers auto class that loads `directory`'s model with its weights."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    config = model_config(directory)
+    auto_map = config.get("auto_map") or {}
+    mappings = {"AutoModelForCausalLM": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+                "AutoModelForImageTextToText": "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"}
+    for name in AUTO_CLASSES:
+        names = getattr(modeling_auto, mappings[name], {})
+        if name in auto_map or (not auto_map and config.get("model_type") in names):
+            return getattr(transformers, name)
+    return transformers.AutoModelForCausalLM
+
+
+def load(directory: str | Path, remote: bool, dtype, **extra):
+    """The dir's model in eval mode (its patched remote code where `remote`)."""
+    return auto_class(directory).from_pretrained(directory, trust_remote_code=remote, **{dtype_keyword(): dtype},
+                                                 **extra).eval()
+
+
+def load_policy(directory: str | Path, name: str):
+    """The dir's generated autotp_policy.py, imported as a module named `name`."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(directory, POLICY_FILE))
+    policy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(policy)
+    return policy

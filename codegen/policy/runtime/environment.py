@@ -1,0 +1,95 @@
+"""The process a rank runs in, made right before DeepSpeed starts: any launcher, or none, and sane threads.
+
+DeepSpeed's CPU shared-memory all-reduce needs LOCAL_SIZE (its own launcher sets it; torchrun sets
+LOCAL_WORLD_SIZE instead, and without LOCAL_SIZE every rank segfaults at its first forward); a plain
+`python serve.py` has no launcher variables at all (DeepSpeed then tries MPI discovery and fails on
+mpi4py); neither launcher sets OMP_NUM_THREADS, so every rank runs as many threads as the machine has
+cores; and every environment with the same Python builds DeepSpeed's CPU op into the same
+~/.cache/torch_extensions/<py>_cpu, rebuilding it (half a minute or more) whenever environments alternate.
+Each helper here changes only what is unset, returns what it did as a one-line note, and never raises.
+"""
+
+import hashlib
+import os
+import socket
+import sys
+
+#: the variables a torchrun / DeepSpeed launcher gives every rank
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+
+
+def extensions_dir(env=None, prefix=None):
+    """A torch-extensions build dir of this Python environment, where DeepSpeed builds its CPU op when nothing
+    says otherwise: under ~/.cache/torch_extensions, keyed by the environment (its name and a hash of its path)."""
+    env = os.environ if env is None else env
+    prefix = sys.prefix if prefix is None else prefix
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    tag = hashlib.sha256(prefix.encode()).hexdigest()[:10]
+    return os.path.join(base, "torch_extensions", f"codegen-{os.path.basename(prefix.rstrip('/'))}-{tag}")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launcher_notes(tp_size, env=None):
+    """Fill in what DeepSpeed needs and no launcher set, before it initialises; (notes, problem).
+
+    - no launcher at all (RANK and WORLD_SIZE unset): with tp_size 1 this process is the one rank of a local
+      group (RANK 0, WORLD_SIZE 1, a free loopback port); with more, `problem` says how to start the ranks;
+    - LOCAL_SIZE unset where torchrun's LOCAL_WORLD_SIZE says every rank is on this node: LOCAL_SIZE is that;
+    - TORCH_EXTENSIONS_DIR unset: this environment's own build dir (`extensions_dir`).
+    """
+    env = os.environ if env is None else env
+    notes = []
+    if not any(name in env for name in ("RANK", "WORLD_SIZE")):
+        if tp_size != 1:
+            return notes, (f"tp_size {tp_size} needs {tp_size} ranks, and this process was not started by a "
+                           f"launcher: run it with `deepspeed --num_gpus {tp_size} SCRIPT` (CPU too) or "
+                           f"`torchrun --nproc_per_node {tp_size} SCRIPT`, or serve the dir with "
+                           f"`python -m codegen serve DIR --tp {tp_size}`")
+        env.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "LOCAL_SIZE": "1",
+                    "MASTER_ADDR": env.get("MASTER_ADDR", "127.0.0.1")})
+        env.setdefault("MASTER_PORT", str(_free_port()))
+        notes.append("no launcher: running as the one rank of a local group (tp_size 1)")
+    if "LOCAL_SIZE" not in env and env.get("LOCAL_WORLD_SIZE") and env.get("LOCAL_WORLD_SIZE") == env.get("WORLD_SIZE"):
+        env["LOCAL_SIZE"] = env["LOCAL_WORLD_SIZE"]
+        notes.append(f"LOCAL_SIZE set to {env['LOCAL_SIZE']} from LOCAL_WORLD_SIZE (every rank on this node), "
+                     "which DeepSpeed's CPU all-reduce needs")
+    if "TORCH_EXTENSIONS_DIR" not in env:
+        env["TORCH_EXTENSIONS_DIR"] = extensions_dir(env)
+    return notes, None
+
+
+def local_ranks(env=None, world=1):
+    """How many ranks share this node: what the launcher says, else the whole group."""
+    env = os.environ if env is None else env
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        value = env.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return max(1, world)
+
+
+def usable_cores():
+    """The cores this process may run on (its CPU affinity), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def thread_note(torch, ranks, env=None):
+    """With OMP_NUM_THREADS unset, give each of the `ranks` local ranks its share of the cores; an explicit
+    setting is left as it is. Returns the note to say, or None."""
+    env = os.environ if env is None else env
+    if env.get("OMP_NUM_THREADS"):
+        return None
+    threads = max(1, usable_cores() // max(1, ranks))
+    if torch.get_num_threads() == threads:
+        return None
+    torch.set_num_threads(threads)
+    return (f"OMP_NUM_THREADS is unset: each of the {ranks} local ranks uses {threads} thread(s) of "
+            f"{usable_cores()} cores (set OMP_NUM_THREADS to choose)")

@@ -1,0 +1,97 @@
+"""Generation in lockstep: every rank of a tensor-parallel group produces the same tokens, or all stop with one line.
+
+The ranks compute identical logits (every partial sum is all-reduced), so they diverge only through what each
+feeds `generate`: its own random generator (a script that seeds `torch.manual_seed(seed + rank)`) or its own
+inputs. Diverged ranks either produce different sequences silently or, when one stops early (an EOS), leave the
+others waiting in a collective forever. So each `generate` call
+- first broadcasts the group's first rank's random state to every rank (one broadcast of the generator state,
+  ~5 KB on CPU) and checks that every rank got the same inputs (one all-gather of a fingerprint per tensor);
+- then, at every decoding step, checks that every rank chose the same tokens (one all-gather of the batch's new
+  token ids); a rank that would diverge raises a PolicyError on every rank at the same step, never a hang.
+"""
+
+import torch
+
+from codegen.policy.runtime.base import PolicyError
+
+
+def fingerprint(value):
+    """Exact per-tensor digest of the tensors in `value` (nested lists, tuples, dicts): element count, sum and
+    position-weighted sum, in float64; identical inputs give identical digests on every rank."""
+    found = []
+
+    def walk(item):
+        if isinstance(item, torch.Tensor):
+            flat = item.detach().reshape(-1).to("cpu", torch.float64)
+            weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64)
+            found.extend([float(flat.numel()), float(flat.sum()), float((flat * weights).sum())])
+        elif isinstance(item, dict):
+            for key in sorted(item, key=str):
+                walk(item[key])
+        elif isinstance(item, (list, tuple)):
+            for part in item:
+                walk(part)
+
+    walk(value)
+    return torch.tensor(found or [0.0], dtype=torch.float64)
+
+
+class Lockstep:
+    """The group's collectives for one model: random state broadcast, inputs and step tokens compared."""
+
+    def __init__(self, dist, group, device):
+        self.dist = dist
+        self.group = group
+        self.device = device
+        self.world = dist.get_world_size(group=group)
+        self.first = torch.distributed.get_process_group_ranks(group)[0] if group is not None else 0
+
+    def _gathered(self, tensor):
+        tensor = tensor.to(self.device)
+        out = [torch.empty_like(tensor) for _ in range(self.world)]
+        self.dist.all_gather(out, tensor, group=self.group)
+        return [t.cpu() for t in out]
+
+    def share_random_state(self):
+        state = torch.get_rng_state().to(self.device)
+        self.dist.broadcast(state, src=self.first, group=self.group)
+        torch.set_rng_state(state.cpu())
+        if self.device.type == "cuda":
+            cuda_state = torch.cuda.get_rng_state().to(self.device)
+            self.dist.broadcast(cuda_state, src=self.first, group=self.group)
+            torch.cuda.set_rng_state(cuda_state.cpu())
+
+    def check_same(self, tensor, what):
+        rows = self._gathered(tensor)
+        if tensor.numel() and any(r.shape != rows[0].shape or not torch.equal(r, rows[0]) for r in rows):
+            raise PolicyError(f"the ranks of a tensor-parallel group {what}: every rank must call generate with "
+                              "the same inputs (the policy shares the random state, so per-rank seeds are fine)")
+
+
+def keep_in_lockstep(model, dist, group, device):
+    """Wrap `model.generate` (on the instance) so the group's ranks generate in lockstep; returns the wrapper."""
+    if not callable(getattr(model, "generate", None)) or getattr(model.generate, "_codegen_lockstep", False):
+        return getattr(model, "generate", None)
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    original = model.generate
+    lockstep = Lockstep(dist, group, device)
+
+    class SameTokens(StoppingCriteria):
+        """Never stops a sequence; raises where the ranks chose different tokens at this step."""
+
+        def __call__(self, input_ids, scores, **kwargs):
+            lockstep.check_same(input_ids[:, -1].to(torch.int64), "chose different tokens while generating")
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def generate(*args, **kwargs):
+        lockstep.share_random_state()
+        lockstep.check_same(fingerprint([args, {k: v for k, v in kwargs.items() if k != "streamer"}]),
+                            "were given different inputs to generate")
+        criteria = StoppingCriteriaList(list(kwargs.pop("stopping_criteria", None) or []) + [SameTokens()])
+        return original(*args, stopping_criteria=criteria, **kwargs)
+
+    generate._codegen_lockstep = True
+    generate.__doc__ = original.__doc__
+    model.generate = generate
+    return generate
