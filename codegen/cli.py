@@ -149,7 +149,7 @@ def _add_shm(sub) -> None:
 def _add_regression(sub) -> None:
     p = sub.add_parser("regression", help="developers: the rewrite of pinned upstream sources vs generated/",
                        description="check: exit 1 and print the diff of diffs if generated/ drifted; regenerate: "
-                                   "rewrite generated/ (review and commit its diff); fetch: fill the wheel cache")
+                                   "rewrite generated/ and the README's support tables (review and commit the diff); fetch: fill the wheel cache")
     p.add_argument("action", choices=("check", "regenerate", "fetch"))
     p.add_argument("--cache", type=Path, help="wheel cache dir (default: $CODEGEN_UPSTREAM_CACHE or "
                                               "~/.cache/codegen/upstream)")
@@ -310,7 +310,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def _check_verifiable(model_dir: Path, tp: int) -> None:
     """A patched dir whose sizes `tp` divides, else one line (exit 2) before any rank starts."""
-    from codegen.families import FAMILIES, normalise_model_type
+    from codegen.families import family_named, normalise_model_type
     from codegen.patch.config import check_tp_divides, parse_config
 
     config_path = model_dir / "config.json"
@@ -319,7 +319,7 @@ def _check_verifiable(model_dir: Path, tp: int) -> None:
     config = parse_config(config_path.read_bytes(), model_dir)
     family = normalise_model_type(config.get("model_type"))
     if family is not None:
-        check_tp_divides(config, FAMILIES[family], tp, config_path)
+        check_tp_divides(config, family_named(family), tp, config_path)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -401,10 +401,14 @@ def cmd_regression(args: argparse.Namespace) -> int:
             return errors.WOULD_CHANGE
         print(f"generated/ is up to date ({len(regression.MATRIX)} sources)", file=sys.stderr)
         return errors.OK
+    from codegen import support
+
     changed = regression.regenerate(args.cache)
+    if support.refresh(regression.ROOT / "README.md"):
+        changed.append("README.md")
     for name in changed:
         print(f"wrote {name}" if (regression.ROOT / name).exists() else f"deleted {name}")
-    print(f"{len(changed)} file(s) changed in generated/; review them with `git diff generated/`", file=sys.stderr)
+    print(f"{len(changed)} file(s) changed; review them with `git diff generated/ README.md`", file=sys.stderr)
     return errors.OK
 
 

@@ -22,6 +22,13 @@ def model_config(directory: str | Path) -> dict:
     return json.loads(Path(directory, CONFIG).read_text())
 
 
+def model_sizes(directory: str | Path) -> dict:
+    """The decoder's sizes (vocab_size, num_hidden_layers, ...): a multimodal config nests them in its text config."""
+    from codegen.families import sizes_of
+
+    return sizes_of(model_config(directory))
+
+
 def has_remote_code(directory: str | Path) -> bool:
     return bool(model_config(directory).get("auto_map"))
 

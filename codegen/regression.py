@@ -43,14 +43,28 @@ REGENERATE = "python -m codegen regression regenerate"
 #: Pinned transformers releases: version -> sha256 of `transformers-<version>-py3-none-any.whl` on PyPI.
 RELEASES: dict[str, str] = {
     "4.36.2": "462066c4f74ee52516f12890dcc9ec71d1a5e97998db621668455117a54330f6",  # first with mixtral
+    "4.45.0": "f04a82926676056afb3bbf4df7d76ceb1fc2b2746247a87f3f9be4674adc95d7",  # first with olmoe, qwen2_moe
     "4.45.2": "c551b33660cfc815bae1f9f097ecfd1e65be623f13c6ee0dda372bd881460210",
+    "4.46.1": "f77b251a648fd32e3d14b5e7e27c913b7c29154940f519e4c8c3aa6061df0f05",  # first with phimoe (4.46.0 is yanked)
     "4.51.3": "fd3279633ceb2b777013234bbf0b4f5c2d23c4626b05497691f00cfda55e8a83",  # first with qwen3_moe, deepseek_v3
-    "4.54.1": "c89965a4f62a0d07009d45927a9c6372848a02ab9ead9c318c3d082708bab529",  # first with glm4_moe
+    "4.53.0": "7d8039ff032c01a2d7f8a8fe0066620367003275f023815a966e62203f9f5dd7",  # first with dots1
+    "4.54.0": "c96e607f848625965b76c677b2c2576f2c7b7097c1c5292b281919d90675a25e",  # first with ernie4_5_moe, deepseek_v2, glm4_moe
+    "4.54.1": "c89965a4f62a0d07009d45927a9c6372848a02ab9ead9c318c3d082708bab529",  # the patch release deepseek_v2 and glm4_moe users took
     "4.55.4": "df28f3849665faba4af5106f0db4510323277c4bb595055340544f7e59d06458",  # first with gpt_oss
+    "4.56.0": "bacf539c38dd850690856881c4974321af93a22f2ee96bcc994741a2121d8e71",  # first with hunyuan_v1_moe, glm4v_moe
+    "4.57.1": "b10d05da8fa67dc41644dbbf9bc45a44cb86ae33da6f9295f5fbf5b7890bd267",  # first listed with qwen3_vl_moe (4.57.0 is yanked)
     "4.57.6": "4c9e9de11333ddfe5114bc872c9f370509198acf0b87a832a0ab9458e2bd0550",
-    "5.0.0": "587086f249ce64c817213cf36afdb318d087f790723e9b3d4500b97832afd52d",
+    "5.0.0": "587086f249ce64c817213cf36afdb318d087f790723e9b3d4500b97832afd52d",  # first with glm4_moe_lite, minimax_m2, solar_open
+    "5.1.0": "de534b50c9b2ce6217fc56421075a1734241fb40704fdc90f50f6a08fc533d59",  # first with exaone_moe
+    "5.2.0": "9ecaf243dc45bee11a7d93f8caf03746accc0cb069181bbf4ad8566c53e854b4",  # first with glm_moe_dsa
+    "5.4.0": "9fbe50602d2a4e6d0aa8a35a605433dfac72d595ee2192eae192590a6cc2df86",  # first with mistral4
+    "5.11.0": "06d0a34eab529955f8e704b530663c7d6bd6f9c7a9e47a05cddb4a44e7b6566b",  # first with deepseek_v32
+    "5.13.0": "8adbc1d20bd5463cd6876b2eb7cb31971e1065788e7dc6bc12bab597a7c504b7",  # first with mimo_v2_flash, kimi_k25
+    "5.16.0": "2b4adda8d99bb4c1b208da5ed967e2625ad449087827a750cb3b23ce4000b139",  # first with step3p7
     "5.24.0": "ff5ebedf9359f94bb63772b6380eba6e7104d010cbbb2cb82c788817ea7486f6",  # latest 5.x, the pinned one
 }
+#: the newest pinned release (the one the README's measured figures are from)
+LATEST = max(RELEASES, key=lambda v: tuple(int(p) for p in v.split(".")))
 
 
 @dataclass(frozen=True)
@@ -68,6 +82,8 @@ class Entry:
     package: str
     #: modules shipped next to the modeling file in the model dir (relative imports to them stay relative)
     shipped_modules: frozenset[str] = frozenset()
+    #: a multimodal wrapper whose text decoder is another family's module: that module's path in the same wheel
+    text_path: str | None = None
 
     @property
     def id(self) -> str:
@@ -94,9 +110,22 @@ class Entry:
         return GENERATED / self.family / self.source_id / "modeling.diff"
 
     @property
+    def text_diff_path(self) -> Path:
+        """The expected rewrite of the wrapper's text decoder module (written beside the wrapper's)."""
+        return GENERATED / self.family / self.source_id / "text_modeling.diff"
+
+    @property
+    def legacy(self) -> bool:
+        """A transformers 4.x source (the family's Legacy names apply to its policy)."""
+        return self.release is not None and int(self.release.split(".")[0]) < 5
+
+    @property
     def policy_path(self) -> Path:
         """Built-in sources share one policy per family; a source shipped in the model dir names its own module."""
         if self.module_name == _builtin_module_name(self.family):
+            family = FAMILIES[self.family]
+            if self.legacy and family.policy_layout(True) != family.policy_layout(False):  # 4.x names it its way
+                return GENERATED / self.family / "transformers-4.x" / POLICY_FILE
             return GENERATED / self.family / POLICY_FILE
         return GENERATED / self.family / self.source_id / POLICY_FILE
 
@@ -106,13 +135,16 @@ def _builtin_module_name(family: str) -> str:
 
 
 def _builtin(family: str, release: str) -> Entry:
-    module = FAMILIES[family].builtin_module
+    row = FAMILIES[family]
+    module = row.builtin_module
+    text = row.text_family
     return Entry(
         family=family,
         source_id=f"transformers-{release}",
         release=release,
         path=module.replace(".", "/") + ".py",
         package=module.rsplit(".", 1)[0],
+        text_path=text.builtin_module.replace(".", "/") + ".py" if text is not row else None,
     )
 
 
@@ -214,16 +246,18 @@ def wheel_members(release: str, cache: Path | None = None) -> frozenset[str]:
         return frozenset(wheel.namelist())
 
 
-def read_source(entry: Entry, cache: Path | None = None) -> str:
-    """The unpatched text of one matrix entry (from the pinned wheel, or from this repository)."""
+def read_source(entry: Entry, cache: Path | None = None, path: str | None = None) -> str:
+    """The unpatched text of one matrix entry (from the pinned wheel, or from this repository); `path`: another
+    file of the same wheel (a wrapper's text decoder module)."""
+    path = path or entry.path
     if entry.release is None:
-        return (ROOT / entry.path).read_text(encoding="utf-8")
+        return (ROOT / path).read_text(encoding="utf-8")
     wheel = fetch_wheel(entry.release, cache)
     try:
         with zipfile.ZipFile(wheel) as zf:
-            return zf.read(entry.path).decode("utf-8")
+            return zf.read(path).decode("utf-8")
     except KeyError:
-        raise FetchFailed(f"{wheel.name} does not ship {entry.path}: fix the matrix in codegen/regression.py") from None
+        raise FetchFailed(f"{wheel.name} does not ship {path}: fix the matrix in codegen/regression.py") from None
     except zipfile.BadZipFile:
         raise FetchFailed(f"{wheel} is not a wheel: delete it and run again") from None
 
@@ -234,25 +268,36 @@ def read_source(entry: Entry, cache: Path | None = None) -> str:
 @dataclass(frozen=True)
 class Result:
     entry: Entry
+    #: the source holding the MoE blocks (a wrapper's text decoder module) and its rewrite
     original: str
     rewrite: Rewrite
     #: expected files: path relative to the repository root -> text
     files: dict[str, str]
+    #: a wrapper's own module (entry.path) and its rewrite, where the MoE blocks live in its text decoder's module
+    wrapper_original: str | None = None
+    wrapper: Rewrite | None = None
 
     @property
     def patched(self) -> str:
         return self.rewrite.code
 
 
-def target_of(entry: Entry) -> RewriteTarget:
+def target_of(entry: Entry, fused_text: bool | None = None) -> RewriteTarget:
+    """The rewrite target `patch` would build for the entry's source; for a wrapper with a text decoder module,
+    `fused_text` (its text module's rewrite found fused experts) makes it the wrapper's own module's target."""
     family: Family = FAMILIES[entry.family]
-    return RewriteTarget(
-        family=family,
-        package=entry.package,
-        shipped_modules=entry.shipped_modules,
-        display_name=f"{entry.path} ({entry.origin})",
-        transformers_version=entry.release,
-    )
+    display = f"{entry.path} ({entry.origin})"
+    if entry.text_path is None or fused_text is None:
+        return RewriteTarget(family, entry.package, entry.shipped_modules, display, entry.release)
+    text_module = entry.text_path.rsplit("/", 1)[-1].removesuffix(".py")
+    return RewriteTarget(family, entry.package, entry.shipped_modules | {text_module}, display, entry.release,
+                         moe_block=False, text_import=text_module, fused_text=fused_text)
+
+
+def text_target_of(entry: Entry) -> RewriteTarget:
+    """The rewrite target of a wrapper's text decoder module."""
+    return RewriteTarget(FAMILIES[entry.family], entry.text_path.rsplit("/", 1)[0].replace("/", "."), frozenset(),
+                         f"{entry.text_path} ({entry.origin})", entry.release)
 
 
 def _header(lines: list[str]) -> str:
@@ -267,16 +312,18 @@ def _generated_note(*what: str) -> list[str]:
     ]
 
 
-def modeling_diff(entry: Entry, original: str, patched: str) -> str:
+def modeling_diff(entry: Entry, original: str, patched: str, path: str | None = None) -> str:
+    path = path or entry.path
+    output = path.rsplit("/", 1)[-1] if path != entry.path else entry.output_name
     source_sha = hashlib.sha256(original.encode("utf-8")).hexdigest()
     origin = f"the wheel of transformers=={entry.release}" if entry.release else "this repository"
     header = _header(
         _generated_note(
-            f"Expected rewrite of {entry.path} from {origin} (sha256 {source_sha}),",
-            f"as `python -m codegen patch` writes it into a model dir as {entry.output_name}.",
+            f"Expected rewrite of {path} from {origin} (sha256 {source_sha}),",
+            f"as `python -m codegen patch` writes it into a model dir as {output}.",
         )
     )
-    return header + text_diff(original, patched, f"a/{entry.path}", f"b/{entry.output_name}")
+    return header + text_diff(original, patched, f"a/{path}", f"b/{output}")
 
 
 def policy_file(entry: Entry, policy: str) -> str:
@@ -299,12 +346,21 @@ def build(entry: Entry, cache: Path | None = None) -> Result:
 def _build(entry: Entry, cache: Path) -> Result:
     family = FAMILIES[entry.family]
     original = read_source(entry, cache)
-    rewrite = rewrite_modeling(original, target_of(entry), entry.release, restore_info(_stock_config(entry, family), family))
-    files = {
-        repo_path(entry.diff_path): modeling_diff(entry, original, rewrite.code),
-        repo_path(entry.policy_path): policy_file(entry, render_policy(family, entry.module_name)),
-    }
-    return Result(entry, original, rewrite, files)
+    restore = restore_info(_stock_config(entry, family), family)
+    policy = policy_file(entry, render_policy(family, entry.module_name, entry.legacy))
+    if entry.text_path is None:
+        rewrite = rewrite_modeling(original, target_of(entry), entry.release, restore)
+        files = {repo_path(entry.diff_path): modeling_diff(entry, original, rewrite.code)}
+        files[repo_path(entry.policy_path)] = policy
+        return Result(entry, original, rewrite, files)
+    # the MoE blocks are in the text decoder's module; the wrapper's own module builds it from there
+    text = read_source(entry, cache, entry.text_path)
+    rewrite = rewrite_modeling(text, text_target_of(entry), entry.release, None)
+    wrapper = rewrite_modeling(original, target_of(entry, rewrite.fused_experts), entry.release, restore)
+    files = {repo_path(entry.diff_path): modeling_diff(entry, original, wrapper.code),
+             repo_path(entry.text_diff_path): modeling_diff(entry, text, rewrite.code, entry.text_path),
+             repo_path(entry.policy_path): policy}
+    return Result(entry, text, rewrite, files, original, wrapper)
 
 
 def _stock_config(entry: Entry, family: Family) -> dict:
@@ -350,7 +406,8 @@ INDEX = "generated/README.md"
 
 def expected_paths() -> set[str]:
     """The names of every file generated/ must hold (no rewrite needed)."""
-    return {repo_path(p) for entry in MATRIX for p in (entry.diff_path, entry.policy_path)} | {INDEX}
+    return {repo_path(p) for entry in MATRIX
+            for p in (entry.diff_path, entry.policy_path, *((entry.text_diff_path,) if entry.text_path else ()))} | {INDEX}
 
 
 def expected_files(cache: Path | None = None) -> dict[str, str]:

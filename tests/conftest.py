@@ -10,16 +10,18 @@ from pathlib import Path
 import pytest
 
 from codegen.families import FAMILIES as _TABLE
+from codegen.harness.examples import installed_families
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
-#: every family of the table (codegen.families), in table order
-FAMILIES = tuple(_TABLE)
+#: every family of the table (codegen.families) the installed transformers ships, in table order (the families
+#: of later releases are covered in the environments that have them; tests/test_families.py checks the split)
+FAMILIES = installed_families()
 #: hub-style remote code fixtures of the table's families (tests/fixtures/<name>), and the family each is of
 REMOTE_CODE_FIXTURES = {fixture: name for name, family in _TABLE.items() for fixture in family.remote_code_fixtures}
 #: families stock `deepspeed.init_inference` (AutoTP) crashes on, and the start of the crash line the harness
 #: records (the table's measured facts)
-STOCK_AUTOTP_CRASHES = {name: family.stock_autotp.crash for name, family in _TABLE.items() if family.stock_autotp.crash}
+STOCK_AUTOTP_CRASHES = {name: _TABLE[name].stock_autotp.crash for name in FAMILIES if _TABLE[name].stock_autotp.crash}
 #: regression tests whose answer depends on the installed transformers: they run in every environment
 #: (the rest of the regression matrix reads pinned wheels only and runs once, in the latest environment)
 PER_ENVIRONMENT_REGRESSION = ("test_patch_writes_what_generated_expects", "test_this_environment_resolves_a_pinned_release")

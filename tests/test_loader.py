@@ -7,22 +7,19 @@ import json
 import pytest
 import torch
 
-from codegen.families import FAMILIES
+from codegen.families import FAMILIES as TABLE
+from codegen.families import moe_class_names
+from codegen.models import auto_class, dtype_keyword
 from codegen.patch import api
-from conftest import REMOTE_CODE_FIXTURES
+from conftest import FAMILIES, REMOTE_CODE_FIXTURES
 
 pytestmark = pytest.mark.loader
 
 
 def _load(directory, remote: bool):
-    import transformers
-    from packaging.version import Version
-    from transformers import AutoModelForCausalLM
-
-    dtype_kw = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
-    return AutoModelForCausalLM.from_pretrained(
-        directory, trust_remote_code=remote, output_loading_info=True, **{dtype_kw: torch.float32}
-    )
+    """As users load a dir: the auto class its config names (a multimodal wrapper's image-text-to-text class)."""
+    return auto_class(directory).from_pretrained(directory, trust_remote_code=remote, output_loading_info=True,
+                                                 **{dtype_keyword(): torch.float32})
 
 
 @pytest.mark.parametrize("kind", [*FAMILIES, *REMOTE_CODE_FIXTURES])
@@ -33,11 +30,14 @@ def test_patched_dir_loads_every_tensor_with_identical_logits(make_dir, kind):
     patched = make_dir(kind, "patched")
     api.patch(patched)  # the CLI's own call, in this process (tests/test_patch_cli.py runs the CLI itself)
 
-    reference, _ = _load(pristine, remote=kind == "hub_deepseek")
+    reference, _ = _load(pristine, remote=kind in REMOTE_CODE_FIXTURES)
     model, info = _load(patched, remote=True)
     reference.eval()
     model.eval()
     assert "transformers_modules" in type(model).__module__  # really the patched remote code
+    # every MoE block is the patched class (a multimodal wrapper's text decoder built from the patched module)
+    blocks = [m for m in model.modules() if type(m).__name__ in moe_class_names()]
+    assert blocks and all("transformers_modules" in type(b).__module__ for b in blocks)
     for key in ("missing_keys", "unexpected_keys", "mismatched_keys"):
         assert not info.get(key), (key, info.get(key))
     # every checkpoint tensor landed: parameters equal the built-in model's, tensor by tensor
@@ -63,8 +63,8 @@ def test_policy_module_imports_and_names_its_gates(make_dir):
     spec = importlib.util.spec_from_file_location("policy_under_test", d / "autotp_policy.py")
     policy = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(policy)
-    assert policy.LAYOUT == FAMILIES["qwen2_moe"].policy_layout()
-    assert set(policy.LAYOUT["routers"]) == set(FAMILIES["qwen2_moe"].routers) and policy.LAYOUT["routers"]
+    assert policy.LAYOUT == TABLE["qwen2_moe"].policy_layout()
+    assert set(policy.LAYOUT["routers"]) == set(TABLE["qwen2_moe"].routers) and policy.LAYOUT["routers"]
     assert callable(policy.init_inference)
     assert json.loads((d / "config.json").read_text())[policy.KNOB] is True
 
@@ -147,3 +147,28 @@ def test_gpt_oss_mxfp4_experts_load_dequantized_exactly_or_are_refused(make_dir,
     with torch.no_grad():
         assert (model(ids).logits - reference(ids).logits).abs().max().item() == 0.0
     assert transformers.__version__ == version
+
+
+def test_an_alias_patches_as_its_family_keeps_its_model_type_and_needs_its_remote_code(make_dir):
+    """kimi_k2: DeepSeek-V3 remote code under another model type. Patched as deepseek_v3 (its remote code
+    rewritten), the config keeps `"model_type": "kimi_k2"`; without the remote code, one line and nothing written."""
+    from codegen.errors import BadInput
+    from codegen.families import ALIASES, KNOB
+    from conftest import tree_digest
+
+    directory = make_dir("hub_kimi_k2")
+    result = api.patch(directory)
+    config = json.loads((directory / "config.json").read_text())
+    assert config["model_type"] == "kimi_k2" and config[KNOB] is True
+    assert result.family == ALIASES["kimi_k2"].family and "patched kimi_k2 (as deepseek_v3)" in result.summary
+    assert "modeling_deepseek_codegen.py" in result.written
+    bare = make_dir("hub_kimi_k2", "bare")
+    config = json.loads((bare / "config.json").read_text())
+    del config["auto_map"]
+    (bare / "config.json").write_text(json.dumps(config))
+    before = tree_digest(bare)
+    with pytest.raises(BadInput) as info:
+        api.patch(bare)
+    message = str(info.value)
+    assert "\n" not in message and "has no auto_map" in message and "modeling_deepseek.py" in message
+    assert tree_digest(bare) == before

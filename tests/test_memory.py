@@ -30,7 +30,9 @@ TINY = families_with("tiny")
 
 def _loaded_bytes(directory, dtype: str) -> dict:
     """The same split, measured on the model as transformers loads it for real."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, torch_dtype=getattr(torch, dtype))
+    from codegen.models import auto_class, dtype_keyword
+
+    model = auto_class(directory).from_pretrained(directory, **{dtype_keyword(): getattr(torch, dtype)})
     experts = rest = 0
     for name, param in model.named_parameters():
         size = param.numel() * param.element_size()

@@ -322,6 +322,38 @@ def test_fused_shards_concatenate_to_the_full_tensors():
     assert torch.equal(torch.cat([s[1] for s in shards], dim=2), down)
 
 
+def test_halves_layout_shards_sum_to_the_full_transposed_experts():
+    """Qwen3-VL-MoE on 4.x: gate_up [E, H, 2I] (gate columns, then up columns), down [E, I, H]. Each rank keeps
+    its slice of the gate columns and the same slice of the up columns; the ranks' outputs sum to the whole."""
+    names = {"kind": rt.FUSED_GATE_UP_HALVES_COLS, "gate_up": "gu", "down": "dn", "size_attr": "inter",
+             "gate_up_bias": "", "down_bias": ""}
+    full = nn.Module()
+    full.gu, full.dn, full.inter = nn.Parameter(torch.randn(E, H, 2 * I)), nn.Parameter(torch.randn(E, I, H)), I
+
+    def experts(bank, x):
+        out = torch.zeros(x.shape[0], H)
+        for e in range(E):
+            gate, up = (x @ bank.gu[e]).chunk(2, dim=-1)
+            out = out + (torch.relu(gate) * up) @ bank.dn[e]
+        return out
+
+    x = torch.randn(5, H)
+    expected = experts(full, x)
+    partial = []
+    for rank in range(2):
+        bank = copy.deepcopy(full)
+        param = bank.gu
+        rt.shard_fused_experts(bank, "moe.experts", rank, 2, names)
+        assert bank.gu is param and tuple(bank.gu.shape) == (E, H, I) and tuple(bank.dn.shape) == (E, I // 2, H)
+        assert bank.inter == I // 2
+        partial.append(experts(bank, x))
+    torch.testing.assert_close(partial[0] + partial[1], expected)
+    odd = copy.deepcopy(full)
+    with pytest.raises(rt.PolicyError) as info:
+        rt.shard_fused_experts(odd, "moe.experts", 0, 3, names)
+    assert _one_line(info).startswith("moe.experts has gu (3, 8, 8) and dn (3, 4, 8): cannot split the expert size 4")
+
+
 def test_fused_names_missing_is_one_line_naming_the_layer():
     bank = FusedBank({**TOY["fused"], "gate_up": "other"})
     with pytest.raises(rt.PolicyError) as info:
@@ -558,6 +590,91 @@ def test_head_params_whose_projections_disagree_are_one_line():
     assert _one_line(info) == "layers.0.attn: the ranks hold [2, 1] of its 4 heads: cannot shard sinks with the heads"
 
 
+def _gathering_dist(world, rank, widths_by_rank):
+    dist = FakeDist(world, rank)
+    dist.peers = {r: torch.tensor(w) for r, w in enumerate(widths_by_rank)}
+    return dist
+
+
+def test_per_head_linears_keep_the_rows_of_the_heads_deepspeed_left_on_the_rank():
+    """An output gate with one row block per head, 6 heads in 3 kv groups over 2 ranks (4 heads, then 2): each rank
+    keeps its heads' rows, at the offset the lower ranks' shares add up to; MLP linears of that name are not gates."""
+    heads, kv, dim = 6, 3, 4
+    layout = {"attention_head_linears": ["gate"], "attention_attrs": ["attn"]}
+    model = nn.Module()
+    model.attn = nn.Module()
+    model.attn.q, model.attn.k, model.attn.gate = nn.Linear(8, heads * dim), nn.Linear(8, kv * dim), nn.Linear(8, heads * dim)
+    model.mlp = nn.Module()
+    model.mlp.gate = nn.Linear(8, 16)
+    full = model.attn.gate.weight.detach().clone()
+    (owner,) = rt.head_linear_owners(model, layout)
+    assert owner["where"] == "attn" and owner["linears"] == ["gate"] and owner["rows"] == {"q": 24, "k": 12}
+    parts = _split_like_deepspeed(model.attn, ("q", "k"), kv, 2)
+    widths = [[16], [8]]
+    for rank, part in enumerate(parts):
+        own = {**owner, "module": part}
+        rt.slice_head_linears([own], _gathering_dist(2, rank, widths), FakeGroup(range(2)), rank, 2, RowsColumn)
+    assert [p.gate.weight.shape[0] for p in parts] == [16, 8] and [p.gate.out_features for p in parts] == [16, 8]
+    assert torch.equal(torch.cat([p.gate.weight for p in parts]), full)
+    assert torch.equal(torch.cat([p.gate.bias for p in parts]), model.attn.gate.bias)
+
+
+def test_full_width_norms_keep_each_ranks_heads_of_the_normed_output():
+    """q normed over all 6 heads, the projection and the norm whole on every rank: concatenated over the ranks
+    (4 heads, then 2), the own-heads outputs are the unsplit normed projection, bit for bit."""
+    heads, kv, dim = 6, 3, 4
+    attention = nn.Module()
+    attention.q_proj, attention.k_proj = nn.Linear(8, heads * dim), nn.Linear(8, kv * dim)
+    attention.v_proj = nn.Linear(8, kv * dim)
+    attention.q_norm = nn.RMSNorm(heads * dim)
+    with torch.no_grad():
+        attention.q_norm.weight.normal_()
+    layout = {"full_width_norms": [["q_norm", "q_proj"]]}
+    (owner,) = rt.full_width_norm_owners(nn.Sequential(attention), layout)
+    x = torch.randn(3, 8)
+    expected = attention.q_norm(attention.q_proj(x))
+    parts = _split_like_deepspeed(attention, ("k_proj", "v_proj"), kv, 2)
+    outputs = []
+    for rank, part in enumerate(parts):
+        own = {**owner, "module": part}
+        rt.slice_full_width_norms([own], _gathering_dist(2, rank, [[16], [8]]), FakeGroup(range(2)), rank, 2,
+                                  RowsColumn)
+        assert part.q_norm.weight.shape == (heads * dim,)  # the norm itself stays whole
+        outputs.append(part.q_norm(part.q_proj(x)))
+    assert [o.shape[-1] for o in outputs] == [16, 8]
+    assert torch.equal(torch.cat(outputs, dim=-1), expected)
+    narrow = {"where": "attn", "module": nn.Module(), "pairs": [("q_norm", "q_proj")], "rows": {"k_proj": 12}}
+    narrow["module"].q_proj, narrow["module"].k_proj = nn.Linear(8, 20), RowsColumn(nn.Linear(8, 12), 0, 5)
+    with pytest.raises(rt.PolicyError) as info:
+        rt.slice_full_width_norms([narrow], FakeDist(2, 0), FakeGroup(range(2)), 0, 2, RowsColumn)
+    assert _one_line(info) == ("attn.q_norm: this rank's share 5/12 of the heads is not a whole number of its "
+                               "20 columns")
+
+
+class _ParsedAutoTP:
+    """DeepSpeed's AutoTP parser as the policy calls it: one (layer class, row layers) pair."""
+
+    def __init__(self, gems):
+        self.gems = gems
+
+    def tp_parser(self, model):
+        return [(nn.Module, list(self.gems))]
+
+
+def test_row_layers_the_parser_got_wrong_for_per_expert_mlps_are_put_right():
+    """Phi-3.5-MoE on 4.x: the parser names the last expert's up projection (before a LayerNorm) and no down one;
+    the policy hands DeepSpeed every expert's down projection instead, and nothing where the parser is right."""
+    block = nn.Module()
+    block.experts = nn.ModuleList(nn.Module() for _ in range(3))
+    blocks = [("layers.0.mlp", block)]
+    layout = {"experts": "experts", "per_expert": {"gate": "w1", "up": "w3", "down": "w2"}}
+    fixed = rt.row_layer_policy(nn.Module(), blocks, layout, _ParsedAutoTP(["2.w3", "self_attn.o_proj"]))
+    assert fixed == {nn.Module: ("0.w2", "1.w2", "2.w2", "self_attn.o_proj")}
+    right = _ParsedAutoTP(["0.w2", "1.w2", "2.w2", "self_attn.o_proj"])
+    assert rt.row_layer_policy(nn.Module(), blocks, layout, right) is None
+    assert rt.row_layer_policy(nn.Module(), [("m", nn.Module())], layout, right) is None  # fused: no ModuleList
+
+
 def test_head_params_on_the_real_transformers_attention_match_the_unsplit_attention():
     """The table's head-param family, its transformers attention: 2 ranks' o-projection partial sums add up."""
     import importlib
@@ -653,6 +770,7 @@ def test_routers_come_back_in_the_engine_dtype_and_a_changed_one_is_caught(with_
     with_fake_deepspeed()
     model = _toy()
     kept = rt.detach_replicated(model, rt.moe_blocks(model, TOY), TOY)
+    rt.fingerprint_kept(kept, torch.float64)
     assert [k["where"] for k in kept] == ["moe.router", "moe.common_router", "attn.kv_in"]
     assert "router" not in model.moe._modules and "kv_in" not in model.attn._modules
     model.to(torch.float64)

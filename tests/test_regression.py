@@ -21,13 +21,13 @@ import pytest
 
 from codegen import regression as upstream
 from codegen.errors import BadSource
-from codegen.families import ANCHOR_RETURNED_SUM, ANCHOR_ROUTED_FINAL, FAMILIES
+from codegen.families import ANCHOR_RETURNED_ROUTED, ANCHOR_RETURNED_SUM, ANCHOR_ROUTED_FINAL, FAMILIES
 from codegen.modeldir.directory import ModelDir
 from codegen.modeldir.layout import POLICY_FILE as POLICY
 from codegen.patch.plan import make_plan
 from codegen.patch.rewrite import REDUCTION_COMMENT, ROUTED_REDUCTION_COMMENT, render_helper_block, rewrite_source
 from codegen.policy.runtime.base import REDUCE_HELPER as HELPER
-from codegen.regression import MATRIX, RELEASES, REGENERATE, Entry
+from codegen.regression import LATEST, MATRIX, RELEASES, REGENERATE, Entry
 
 pytestmark = pytest.mark.regression
 
@@ -126,8 +126,14 @@ def test_patch_writes_what_generated_expects(entry: Entry, tmp_path: Path) -> No
     (tmp_path / "config.json").write_text(json.dumps(config), encoding="utf-8")
     result = _result(entry)
     plan = make_plan(ModelDir(tmp_path), None, coalesce=True)
-    assert plan.source.text == result.original, f"patch resolved another source than {entry.path}"
-    assert plan.files[entry.output_name].decode("utf-8") == result.patched
+    own = result.original if result.wrapper is None else result.wrapper_original
+    assert plan.source.text == own, f"patch resolved another source than {entry.path}"
+    if result.wrapper is None:
+        assert plan.files[entry.output_name].decode("utf-8") == result.patched
+    else:  # the wrapper's module builds the text decoder from the patched text module written beside it
+        assert plan.inputs.text_source is not None and plan.inputs.text_source.text == result.original
+        assert plan.files[entry.output_name].decode("utf-8") == result.wrapper.code
+        assert plan.files[plan.inputs.text_source.output_name].decode("utf-8") == result.patched
     policy = result.files[upstream.repo_path(entry.policy_path)]
     assert policy.endswith(plan.files[POLICY].decode("utf-8")) and policy.startswith("# GENERATED")
 
@@ -135,20 +141,25 @@ def test_patch_writes_what_generated_expects(entry: Entry, tmp_path: Path) -> No
 # ------------------------------------------------------------------------------------ matrix coverage
 
 
-def test_matrix_covers_every_pinned_release_that_ships_a_family() -> None:
-    """A family is in the matrix for a release exactly when that release's wheel ships its modeling file."""
+def test_matrix_covers_the_first_pinned_release_of_every_family_and_the_latest() -> None:
+    """Every release a family's matrix names ships its modeling file; no pinned release before the first of them
+    does (the first is the family's first release); the latest pinned release is covered."""
     covered = {(e.family, e.release) for e in MATRIX if e.release}
-    for release in RELEASES:
-        try:
-            members = upstream.wheel_members(release)
-        except upstream.FetchFailed as exc:
-            pytest.fail(exc.message, pytrace=False)
-        for family in FAMILIES.values():
-            ships = family.builtin_module.replace(".", "/") + ".py" in members
-            assert ships == ((family.model_type, release) in covered), (
-                f"transformers {release} {'ships' if ships else 'does not ship'} {family.builtin_module}: "
-                "fix MATRIX in codegen/regression.py"
-            )
+    latest = LATEST
+    for family in FAMILIES.values():
+        path = family.builtin_module.replace(".", "/") + ".py"
+        ships = {}
+        for release in RELEASES:
+            try:
+                ships[release] = path in upstream.wheel_members(release)
+            except upstream.FetchFailed as exc:
+                pytest.fail(exc.message, pytrace=False)
+        named = [r for r in RELEASES if (family.model_type, r) in covered]
+        assert named and all(ships[r] for r in named), f"{family.model_type}: {named} do not all ship {path}"
+        first = min(named, key=lambda v: tuple(int(p) for p in v.split(".")))
+        assert first == family.first_release and (family.model_type, latest) in covered
+        earlier = [r for r in RELEASES if ships[r] and tuple(map(int, r.split("."))) < tuple(map(int, first.split(".")))]
+        assert not earlier, f"transformers {earlier} already ship {family.builtin_module}: fix known_good"
 
 
 def test_known_good_releases_are_the_matrix() -> None:
@@ -230,6 +241,12 @@ def test_patched_source_compiles_and_reduces_once_after_the_sum(entry: Entry) ->
         assert isinstance(call.args[1], ast.BinOp) and isinstance(call.args[1].op, ast.Add)
         assert patched.splitlines()[reduction.lineno - 2].strip() == REDUCTION_COMMENT
         return
+    if family.anchor == ANCHOR_RETURNED_ROUTED:  # `return _codegen_moe_all_reduce(self, self.experts(...)...)`
+        assert isinstance(reduction, ast.Return) and i == len(body) - 1
+        assert any(isinstance(n, ast.Call) and ast.unparse(n.func) == f"self.{family.experts_attr}"
+                   for n in ast.walk(call.args[1]))
+        assert patched.splitlines()[reduction.lineno - 2].strip() == ROUTED_REDUCTION_COMMENT
+        return
     assert isinstance(reduction, ast.Assign) and reduction.value is call, "the reduction is not its own statement"
     var = reduction.targets[0].id
     assert isinstance(call.args[1], ast.Name) and call.args[1].id == var, "the reduction must rebind its input"
@@ -300,15 +317,16 @@ def _defines_fused_layout(tree: ast.Module, family) -> bool:
 
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_native_loading_declared_for_fused_experts_only(entry: Entry) -> None:
-    """Every 5.x source fuses its experts (and gpt_oss fuses them in 4.x too, where the method is inert:
-    4.x never calls `is_custom_code`); per-expert sources must not get the declaration."""
+    """Fused sources get the declaration (gpt_oss fuses its experts in 4.x too, where the method is inert: 4.x
+    never calls `is_custom_code`); per-expert sources must not (nearly every 5.x source fuses; afmoe's first
+    release, 5.0.0, still holds a ModuleList of MLPs, which the checkpoint stores as is)."""
     result = _result(entry)
     original, tree = _trees(entry)
     family = FAMILIES[entry.family]
     fused = _defines_fused_layout(original, family)
     assert fused == result.rewrite.fused_experts
-    if _major(entry) is not None and _major(entry) >= 5:
-        assert fused, f"{entry.id}: a transformers 5.x source without the family's fused layout"
+    if _major(entry) is not None and _major(entry) >= 5 and entry.release == LATEST:
+        assert fused, f"{entry.id}: the latest transformers without the family's fused layout"
     bases = [
         c for c in tree.body
         if isinstance(c, ast.ClassDef) and c.name.endswith(family.pretrained_class_suffix)
@@ -358,3 +376,14 @@ def test_cache_dir_default_and_override(monkeypatch, tmp_path) -> None:
     assert upstream.cache_dir() == tmp_path
     monkeypatch.delenv("CODEGEN_UPSTREAM_CACHE")
     assert upstream.cache_dir() == Path.home() / ".cache" / "codegen" / "upstream"
+
+
+def test_readme_support_tables_are_the_family_table() -> None:
+    """The README's support section is codegen.support's rendering of the table, byte for byte."""
+    from codegen import support
+
+    readme = (upstream.ROOT / "README.md").read_text(encoding="utf-8")
+    assert readme.count(support.BEGIN) == 1 and readme.count(support.END) == 1
+    assert support.with_tables(readme) == readme, f"README support tables are stale: run `{REGENERATE}`"
+    for name in (*FAMILIES, *support.ALIASES, *support.UNSUPPORTED):
+        assert f"`{name}`" in support.render(), name

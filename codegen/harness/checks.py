@@ -68,6 +68,11 @@ def phase_problems(phases: dict, tolerance: float | None = TOLERANCE) -> list[st
         if r["allreduce_per_forward"]:
             found.append(f"rank {r['rank']}: without a TP policy the patched model issued "
                          f"{r['allreduce_per_forward']} all-reduce(s) (must issue none)")
+        image = r.get("image")
+        if image is not None and (image["maxdiff"] != 0.0 or image["allreduce_per_forward"]):
+            found.append(f"rank {r['rank']}: without a TP policy, with an image in the prompt, the patched model "
+                         f"differs by {image['maxdiff']:.2e} and issued {image['allreduce_per_forward']} all-reduce(s) "
+                         "(must be identical, none)")
         if not r.get("same_tokens", True):
             found.append(f"rank {r['rank']}: without a TP policy greedy tokens differ from the unpatched model")
     return found
@@ -106,6 +111,13 @@ def _codegen_problems(r: dict, tolerance: float | None) -> list[str]:
         found.append("router/gate weights changed")
     if r["gate_types"] != r["gate_types_reference"]:
         found.append(f"router/gate modules changed type: {r['gate_types']}")
+    image = r.get("image")
+    if image is not None:  # the vision tower runs whole on every rank: it adds no reduction
+        if not within_tolerance(image["maxdiff"], tolerance):
+            found.append(f"with an image in the prompt, logits differ by {image['maxdiff']:.2e} > {tolerance:g}")
+        if image["allreduce_per_forward"] != expected or any(c != 1 for c in image["allreduce_per_moe_block"]):
+            found.append(f"with an image in the prompt, {image['allreduce_per_forward']} all-reduces per forward "
+                         f"(expected {expected}), per MoE block {image['allreduce_per_moe_block']} (expected 1 each)")
     grad = r.get("grad_check")
     if grad is not None:
         if not grad.get("applicable"):

@@ -13,7 +13,7 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
-from codegen.families import FAMILIES, FULL_WIDTH_CAPS, PUBLISHED_ROUTING_KEYS
+from codegen.families import FAMILIES, FULL_WIDTH_CAPS, PUBLISHED_ROUTING_KEYS, TEXT_CONFIG, VISION_CONFIG
 from codegen.modeldir.layout import CONFIG
 
 #: the example sizes, as `build_example(size=...)` names them
@@ -57,8 +57,50 @@ def shape(family: str, size: str) -> dict | None:
 
 
 def families_with(size: str) -> tuple[str, ...]:
-    """The families that have an example of `size`, in table order."""
-    return tuple(f for f in FAMILIES if shape(f, size) is not None)
+    """The families that have an example of `size` and that the installed transformers ships, in table order."""
+    return tuple(f for f in installed_families() if shape(f, size) is not None)
+
+
+@lru_cache(maxsize=1)
+def installed_families() -> tuple[str, ...]:
+    """The families whose modules the installed transformers ships (a wrapper's text decoder's too), in table order."""
+    from codegen.patch.source import builtin_source_path
+
+    return tuple(name for name, family in FAMILIES.items()
+                 if builtin_source_path(family) is not None and builtin_source_path(family.text_family) is not None)
+
+
+def example_config(family: str, size: str = "tiny"):
+    """The transformers config of `family`'s example of `size`: the text model's config, or for a multimodal
+    wrapper the wrapper's, built around its text config, its tiny vision tower and its own keys."""
+    import transformers
+
+    values = shape(family, size)
+    if values is None:
+        raise ValueError(f"{family} has no {size} example")
+    row = FAMILIES[family]
+    if row.wrapper is None:
+        return getattr(transformers, row.config_class)(**values)
+    return transformers.AutoConfig.for_model(row.model_type, **{TEXT_CONFIG: _for_installed(values),
+                                                                VISION_CONFIG: dict(row.examples.vision or {})},
+                                             **row.examples.wrapper)
+
+
+def _for_installed(text: dict) -> dict:
+    """Rotary settings as the installed transformers spells them: 4.x reads `rope_theta` + `rope_scaling`."""
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) >= 5 or "rope_parameters" not in text:
+        return text
+    rope = dict(text.pop("rope_parameters"))
+    return {**text, "rope_theta": rope.pop("rope_theta", 10000.0), "rope_scaling": rope}
+
+
+def model_class(family: str):
+    """The auto class a family's checkpoints load with: the first of its `auto_classes`."""
+    import transformers
+
+    return getattr(transformers, next(iter(FAMILIES[family].auto_classes)))
 
 
 def build_example(family: str, out_dir: Path, size: str = "tiny", seed: int = 0, dtype: str = "float32") -> Path:
@@ -68,16 +110,12 @@ def build_example(family: str, out_dir: Path, size: str = "tiny", seed: int = 0,
     a bfloat16 example holds the float32 example's weights rounded, and the build never holds two copies.
     """
     import torch
-    import transformers
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    values = shape(family, size)
-    if values is None:
-        raise ValueError(f"{family} has no {size} example")
-    config = getattr(transformers, FAMILIES[family].config_class)(**values)
+    config = example_config(family, size)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    model = model_class(family).from_config(config)
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0, 0.05)  # non-trivial routers and experts

@@ -70,15 +70,18 @@ def parameter_bytes(config_dir: Path, dtype: str) -> dict:
     import torch
     import transformers
 
+    from codegen.models import auto_class, dtype_keyword
+
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
     config = transformers.AutoConfig.from_pretrained(config_dir, trust_remote_code=True)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=True)
+    with torch.device("meta"):  # built at the run dtype: a Parameter a module creates in its own dtype keeps it
+        model = auto_class(config_dir).from_config(config, trust_remote_code=True,
+                                                   **{dtype_keyword(): getattr(torch, dtype)})
     kept = _kept_in_float32(model, dtype)
     experts = rest = elements = 0
     for name, param in model.named_parameters():
-        width = DTYPE_BYTES["float32"] if kept is not None and kept.search(name) else DTYPE_BYTES[dtype]
+        width = DTYPE_BYTES["float32"] if kept is not None and kept.search(name) else param.element_size()
         elements += param.numel()
         if is_expert_param(name):
             experts += param.numel() * width

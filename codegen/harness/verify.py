@@ -109,6 +109,13 @@ def format_report(model_dir: Path, record: dict) -> str:
     if "same_tokens" in first:
         lines.append(f"  greedy {GENERATE} tokens: {'identical' if first['same_tokens'] else 'DIFFERENT'}; "
                      f"routers {'replicated, unchanged' if first['gates_intact'] else 'CHANGED'}")
+    image = first.get("image")
+    if image is not None:
+        stock = (report.get("stock") or [{}])[0].get("image")
+        beside = "" if stock is None else (f"; stock crashed ({stock['crashed']})" if "crashed" in stock else
+                                           f"; stock {stock['allreduce_per_forward']}, {stock['maxdiff']:.2e}")
+        lines.append(f"  with an image in the prompt: codegen {image['allreduce_per_forward']} all-reduces per forward "
+                     f"(MoE {image['allreduce_per_moe_block']}), max|dlog| {image['maxdiff']:.2e}{beside}")
     grad = first.get("grad_check")
     if grad and grad.get("applicable"):
         lines.append(f"  backward through the MoE reduction: "

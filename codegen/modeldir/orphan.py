@@ -56,7 +56,8 @@ def find_orphan(md: ModelDir) -> Orphan | None:
     ours = set()
     for module, marker in marked.items():
         family = FAMILIES.get(str(marker.get("family")))
-        if module.endswith(PATCHED_SUFFIX) or (family is not None and module == family.builtin_module_name):
+        builtin = {family.builtin_module_name, family.text_family.builtin_module_name} if family is not None else set()
+        if module.endswith(PATCHED_SUFFIX) or module in builtin:
             ours.add(module)
         else:
             not_exact.append(f"{module}.py was rewritten in place by an older codegen: re-download it")

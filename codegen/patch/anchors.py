@@ -16,7 +16,8 @@ import libcst.matchers as m
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from codegen.errors import BadSource
-from codegen.families import ANCHOR_RETURNED_SUM, ANCHOR_ROUTED_FINAL, ANCHOR_SHARED_SUM, Family
+from codegen.families import ANCHOR_RETURNED_ROUTED, ANCHOR_RETURNED_SUM, ANCHOR_ROUTED_FINAL, ANCHOR_SHARED_SUM, \
+    Family
 from codegen.patch.target import RewriteTarget
 from codegen.policy.runtime.base import PATCH_MARKER, REDUCE_HELPER
 
@@ -312,28 +313,56 @@ def _find_returned_sum_anchor(forward: cst.FunctionDef, target: RewriteTarget, l
     attrs = target.family.shared_experts
     body = list(forward.body.body)
     shared_names = _shared_names(body, attrs)
-    returns = [r for stmt in body for r in m.findall(stmt, m.Return())]
-    if len(returns) != 1 or not m.matches(body[-1], m.SimpleStatementLine(body=[m.Return()])):
-        lines = ", ".join(str(lines[r]) for r in returns) or "none"
-        raise BadSource(
-            f"{class_name}.forward must end in its only `return` for the returned expert sum to be reduced once "
-            f"(returns at lines {lines}) in {version_hint(target)}"
-        )
-    value = _returned_sum(returns[0])
+    ret = _only_return(body, lines, class_name, target, "expert sum")
+    value = _returned_sum(ret)
     if value is None or [_mentions(value.left, attrs, shared_names),
                          _mentions(value.right, attrs, shared_names)].count(True) != 1:
         raise BadSource(
             f"no recognisable returned expert sum (`return routed + shared`) in {class_name}.forward of "
             f"{version_hint(target)}"
         )
-    return Anchor(len(body) - 1, "return value", lines[returns[0]])
+    return Anchor(len(body) - 1, "return value", lines[ret])
+
+
+def _find_returned_routed_anchor(forward: cst.FunctionDef, target: RewriteTarget, lines: LineNumbers,
+                                 class_name: str) -> Anchor:
+    """No shared expert, and the routed experts are called inside the `return` (`return self.<experts>(...).view()`,
+    or a tuple's first element): the returned value is reduced. The forward's only `return` ends it."""
+    experts = target.family.experts_attr
+    body = list(forward.body.body)
+    ret = _only_return(body, lines, class_name, target, "routed experts' output")
+    if not m.findall(_returned_value(ret), m.Call(func=_self_attr((experts,)))):
+        raise BadSource(
+            f"no recognisable returned routed experts output (`return self.{experts}(...)`) in {class_name}.forward "
+            f"of {version_hint(target)}"
+        )
+    return Anchor(len(body) - 1, "return value", lines[ret])
+
+
+def _only_return(body: list[cst.BaseStatement], lines: LineNumbers, class_name: str, target: RewriteTarget,
+                 what: str) -> cst.Return:
+    """The forward's one `return`, its last top-level statement (else one BadSource line)."""
+    returns = [r for stmt in body for r in m.findall(stmt, m.Return())]
+    if len(returns) != 1 or not m.matches(body[-1], m.SimpleStatementLine(body=[m.Return()])):
+        found = ", ".join(str(lines[r]) for r in returns) or "none"
+        raise BadSource(
+            f"{class_name}.forward must end in its only `return` for the returned {what} to be reduced once "
+            f"(returns at lines {found}) in {version_hint(target)}"
+        )
+    return returns[0]
+
+
+def _returned_value(ret: cst.Return) -> cst.BaseExpression | None:
+    """What a return statement returns: alone, or the first element of a tuple."""
+    value = ret.value
+    if isinstance(value, cst.Tuple) and value.elements:
+        value = value.elements[0].value
+    return value
 
 
 def _returned_sum(ret: cst.Return) -> cst.BinaryOperation | None:
     """The `a + b` a return statement returns, alone or as the first element of a tuple."""
-    value = ret.value
-    if isinstance(value, cst.Tuple) and value.elements:
-        value = value.elements[0].value
+    value = _returned_value(ret)
     return value if m.matches(value, m.BinaryOperation(operator=m.Add())) else None
 
 
@@ -367,4 +396,5 @@ _ANCHOR_FINDERS = {
     ANCHOR_SHARED_SUM: _find_shared_sum_anchor,
     ANCHOR_ROUTED_FINAL: _find_routed_final_anchor,
     ANCHOR_RETURNED_SUM: _find_returned_sum_anchor,
+    ANCHOR_RETURNED_ROUTED: _find_returned_routed_anchor,
 }

@@ -17,6 +17,7 @@ from codegen.modeldir.manifest import Manifest
 from codegen.modeldir.directory import ModelDir
 from codegen.modeldir.layout import CONFIG
 from codegen.patch.source import installed_transformers_version
+from codegen.patch.config import canonical_model_type
 
 PATCH_HINT = "python -m codegen patch"
 
@@ -186,8 +187,11 @@ def _unchanged(md: ModelDir, family: str, coalesce: bool, notices: list[str]) ->
 
 def _patched(md: ModelDir, plan) -> PatchResult:
     rw = plan.rewrite
-    summary = (f"{md.path}: patched {plan.family.model_type} ({rw.moe_class}.forward reduces `{rw.reduced_variable}` "
-               f"once, line {rw.anchor_line} of {plan.source.origin_path}); wrote {', '.join(sorted(plan.files))}")
+    named = canonical_model_type(plan.inputs.config)
+    family = plan.family.model_type if named == plan.family.model_type else f"{named} (as {plan.family.model_type})"
+    where = (plan.inputs.text_source or plan.source).origin_path
+    summary = (f"{md.path}: patched {family} ({rw.moe_class}.forward reduces `{rw.reduced_variable}` "
+               f"once, line {rw.anchor_line} of {where}); wrote {', '.join(sorted(plan.files))}")
     return PatchResult(md.path, True, plan.family.model_type, plan.inputs.coalesce, sorted(plan.files),
                        list(plan.inputs.notices), summary)
 

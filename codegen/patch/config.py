@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from codegen.errors import BadInput
-from codegen.families import FAMILIES, KNOB, Family, normalise_model_type
+from codegen.families import ALIASES, FAMILIES, KNOB, REFUSED, SPARSE_LAYER, UNSUPPORTED, Family, family_named, \
+    normalise_model_type, sizes_of, supported_model_types
 from codegen.modeldir.layout import CONFIG
 
 
@@ -35,11 +36,30 @@ def family_of(config: dict, directory: Path) -> Family:
     raw = config.get("model_type")
     key = normalise_model_type(raw)
     if key is None:
-        raise BadInput(f"{directory / CONFIG}: model_type {raw!r} is not supported yet{_nearest(raw)}; "
-                       f"stock DeepSpeed AutoTP still runs the unpatched dir (supported: {', '.join(sorted(FAMILIES))})")
-    family = FAMILIES[key]
+        raise BadInput(f"{directory / CONFIG}: model_type {raw!r} {_why_not(raw)}; stock DeepSpeed AutoTP still runs "
+                       f"the unpatched dir (supported: {', '.join(supported_model_types())})")
+    alias = ALIASES.get(key)
+    if alias is not None and not isinstance(config.get("auto_map"), dict):
+        raise BadInput(f"{directory / CONFIG}: model_type {raw!r} checkpoints ship their modeling code "
+                       f"({alias.remote_module}.py, named by auto_map) and this config has no auto_map: download the "
+                       "checkpoint with its .py files")
+    family = family_named(key)
     _validate_sizes(config, family, directory)
     return family
+
+
+def canonical_model_type(config: dict) -> str | None:
+    """The model type `patch` writes: the canonical spelling of the family or alias the config names."""
+    return normalise_model_type(config.get("model_type"))
+
+
+def _why_not(raw: object) -> str:
+    """`is refused: <why>` / `is not supported yet: <why>` for a type the table knows of, else the nearest family."""
+    key = raw.strip().lower().replace("-", "_") if isinstance(raw, str) else None
+    known = UNSUPPORTED.get(key) if key else None
+    if known is not None:
+        return f"is {'refused' if known.status == REFUSED else 'not supported yet'}: {known.why}{_nearest(raw)}"
+    return f"is not supported yet{_nearest(raw)}"
 
 
 def _nearest(raw: object) -> str:
@@ -52,12 +72,6 @@ def _nearest(raw: object) -> str:
     related = [name for name, family in FAMILIES.items() if key in family.relatives]
     close = related or difflib.get_close_matches(key, list(FAMILIES), n=1, cutoff=0.8)
     return f" (nearest supported family: {close[0]})" if close else ""
-
-
-def sizes_of(config: dict) -> dict:
-    """The keys sizes are read from: a multimodal config nests its language model's in `text_config`."""
-    text = config.get("text_config")
-    return {**text, **config} if isinstance(text, dict) else config
 
 
 def _validate_sizes(config: dict, family: Family, directory: Path) -> None:
@@ -80,22 +94,33 @@ def _validate_sizes(config: dict, family: Family, directory: Path) -> None:
             and sizes[top_k_key] > experts:
         raise BadInput(f"{where}: {top_k_key} = {sizes[top_k_key]} exceeds {experts_key} = {experts}: "
                        "each token cannot reach more experts than exist; fix config.json")
-    layers = sizes.get(family.num_layers_key)
+    layers = sizes.get(family.layers.count)
     if isinstance(layers, int) and layers > 0 and isinstance(experts, int) and not moe_layers(sizes, family):
         raise BadInput(f"{where}: no layer of {layers} is an MoE layer (see {_layer_keys(family)}): "
                        "there is nothing for codegen to coalesce")
 
 
 def moe_layers(sizes: dict, family: Family) -> list[int]:
-    """The decoder layers that hold an MoE block, by the family's layer-selection keys."""
-    dense = sizes.get(family.dense_layers_key) if family.dense_layers_key else None
+    """The decoder layers that hold an MoE block, by the family's layer-selection keys (codegen.families.MoELayers)."""
+    rule = family.layers
+    count = sizes[rule.count]
+
+    def value(key: str | None):
+        return sizes.get(key) if key else None
+
+    types = value(rule.types)
+    if isinstance(types, list):
+        return [i for i, kind in enumerate(types[:count]) if kind == SPARSE_LAYER]
+    listed = value(rule.moe_list)
+    if isinstance(listed, list):
+        return [i for i in range(count) if i in listed]
+    dense = value(rule.dense_list)
     dense = set(dense) if isinstance(dense, list) else set()
-    step = sizes.get(family.sparse_step_key) if family.sparse_step_key else None
-    first = sizes.get(family.first_dense_key) if family.first_dense_key else None
-    freq = sizes.get(family.moe_freq_key) if family.moe_freq_key else None
+    step, first, last, freq = (value(k) for k in (rule.sparse_step, rule.first_dense, rule.last_moe, rule.freq))
+    last = last if isinstance(last, int) and last >= 0 else count - 1
     out = []
-    for i in range(sizes[family.num_layers_key]):
-        if i in dense:
+    for i in range(count):
+        if i in dense or i > last:
             continue
         if isinstance(step, int) and step > 0 and (i + 1) % step:
             continue
@@ -108,9 +133,7 @@ def moe_layers(sizes: dict, family: Family) -> list[int]:
 
 
 def _layer_keys(family: Family) -> str:
-    keys = [k for k in (family.dense_layers_key, family.sparse_step_key, family.first_dense_key,
-                        family.moe_freq_key) if k]
-    return ", ".join([family.num_layers_key, *keys])
+    return ", ".join(family.layers.keys())
 
 
 def config_updates(original: dict, family: Family, module: str, coalesce: bool) -> tuple[dict, dict]:
@@ -118,7 +141,7 @@ def config_updates(original: dict, family: Family, module: str, coalesce: bool) 
     auto_map = dict(original.get("auto_map") or {})
     for auto_class, cls in family.auto_classes.items():
         auto_map[auto_class] = f"{module}.{cls}"
-    updates = {"auto_map": auto_map, KNOB: coalesce, "model_type": family.model_type}
+    updates = {"auto_map": auto_map, KNOB: coalesce, "model_type": canonical_model_type(original)}
     updates = {k: v for k, v in updates.items() if original.get(k, _MISSING) != v}
     changed = {k: {"existed": k in original, "value": original.get(k)} for k in updates}
     return updates, changed
@@ -136,7 +159,7 @@ def restore_info(original: dict, family: Family) -> dict:
     replaced = {k: auto_map[k] for k in sorted(family.auto_classes) if auto_map.get(k) is not None}
     if replaced:
         info["auto_map"] = replaced
-    if original.get("model_type") != family.model_type:
+    if original.get("model_type") != canonical_model_type(original):
         info["model_type"] = original.get("model_type")
     return info
 

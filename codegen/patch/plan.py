@@ -19,12 +19,12 @@ from typing import Any
 
 from codegen import __version__
 from codegen.errors import BadSource
-from codegen.families import FAMILIES, KNOB, Family
+from codegen.families import FAMILIES, KNOB, Family, sizes_of
 from codegen.modeldir.directory import ModelDir
 from codegen.modeldir.layout import CONFIG, POLICY_FILE
 from codegen.modeldir.manifest import Manifest, SourceInfo
-from codegen.patch.config import config_updates, family_of, parse_config, restore_info, sizes_of
-from codegen.patch.source import ModelSource, installed_transformers_version, resolve_source
+from codegen.patch.config import canonical_model_type, config_updates, family_of, parse_config, restore_info
+from codegen.patch.source import ModelSource, installed_transformers_version, resolve_source, resolve_text_source
 
 PACKAGE = Path(__file__).resolve().parent.parent
 #: the code whose every byte shapes what `patch` writes: the patch path, the policy (its runtime is embedded),
@@ -47,6 +47,8 @@ class Inputs:
     coalesce: bool
     #: one-line notes for the user (canonical model_type, quantization, --source version)
     notices: list[str] = field(default_factory=list)
+    #: a multimodal wrapper's text decoder module, when it is another family's (patched and written beside)
+    text_source: ModelSource | None = None
 
     @property
     def fingerprint(self) -> dict[str, Any]:
@@ -55,6 +57,7 @@ class Inputs:
             "family": self.family.model_type,
             "source_kind": self.source.kind,
             "source_sha256": self.source.sha256,
+            "text_source_sha256": self.text_source.sha256 if self.text_source is not None else None,
             "source_transformers": self.source.transformers_version,
             "installed_transformers": installed_transformers_version(),
             "coalesce": self.coalesce,
@@ -123,6 +126,7 @@ def resolve_inputs(model_dir: ModelDir, source_override: Path | None, coalesce: 
     shipped = frozenset(p.stem for p in model_dir.path.glob("*.py"))
     source = resolve_source(family, config, lambda name: model_dir.original_bytes(name, manifest), shipped,
                             source_override)
+    text_source = resolve_text_source(family, source)
     if family.quantized_forms:
         from codegen.patch.quantization import refuse_unsupported_quantization
 
@@ -130,9 +134,9 @@ def resolve_inputs(model_dir: ModelDir, source_override: Path | None, coalesce: 
     if coalesce is None:
         coalesce = current_knob(model_dir, manifest)
     notices = []
-    raw_type = config.get("model_type")
-    if raw_type != family.model_type:
-        notices.append(f"config.json: model_type {raw_type!r} is written as {family.model_type!r}, its canonical "
+    raw_type, canonical = config.get("model_type"), canonical_model_type(config)
+    if raw_type != canonical:
+        notices.append(f"config.json: model_type {raw_type!r} is written as {canonical!r}, its canonical "
                        "spelling (revert restores the original)")
     quant = sizes_of(config).get("quantization_config")
     if quant is not None:
@@ -144,7 +148,7 @@ def resolve_inputs(model_dir: ModelDir, source_override: Path | None, coalesce: 
         seen = source.transformers_version or "an unknown release"
         notices.append(f"--source comes from transformers {seen} but {installed or 'none'} is installed: "
                        "the patched dir is recorded for the source's release")
-    return Inputs(model_dir, manifest, config_bytes, config, family, source, coalesce, notices)
+    return Inputs(model_dir, manifest, config_bytes, config, family, source, coalesce, notices, text_source)
 
 
 def current_knob(model_dir: ModelDir, manifest: Manifest | None) -> bool:
@@ -167,25 +171,37 @@ def guard_version_of(source: ModelSource) -> str | None:
     return source.transformers_version if source.kind in ("builtin", "override") else None
 
 
+def is_legacy(source: ModelSource) -> bool:
+    """A transformers 4.x source (the family's Legacy names apply); remote code names as 5.x does."""
+    version = source.transformers_version if source.kind in ("builtin", "override") else None
+    return bool(version) and version.split(".")[0].isdigit() and int(version.split(".")[0]) < 5
+
+
 def build_plan(inputs: Inputs) -> Plan:
     # libcst and jinja2 are the slow imports: only a plan that has work to do pays for them
     from codegen.modeldir import configjson
     from codegen.patch.rewrite import RewriteTarget, rewrite_modeling
     from codegen.policy.assemble import render_policy
 
-    family, source = inputs.family, inputs.source
-    target = RewriteTarget(
-        family=family,
-        package=source.package,
-        shipped_modules=source.shipped_modules - {source.module_name},
-        display_name=source.origin_path,
-        transformers_version=source.transformers_version,
-    )
-    rewrite = rewrite_modeling(source.text, target, guard_version_of(source), restore_info(inputs.config, family))
-    policy = render_policy(family, source.module_name)
+    family, source, text = inputs.family, inputs.source, inputs.text_source
+    restore = restore_info(inputs.config, family)
+    shipped = source.shipped_modules - {source.module_name}
+    if text is None:
+        target = RewriteTarget(family, source.package, shipped, source.origin_path, source.transformers_version)
+        rewrite = rewrite_modeling(source.text, target, guard_version_of(source), restore)
+        modeling = {source.output_name: rewrite.code}
+    else:  # the MoE blocks live in the text decoder's module; the wrapper's own module builds it from there
+        text_target = RewriteTarget(family, text.package, frozenset(), text.origin_path, text.transformers_version)
+        rewrite = rewrite_modeling(text.text, text_target, guard_version_of(text), None)
+        target = RewriteTarget(family, source.package, shipped | {text.module_name}, source.origin_path,
+                               source.transformers_version, moe_block=False, text_import=text.module_name,
+                               fused_text=rewrite.fused_experts)
+        wrapper = rewrite_modeling(source.text, target, guard_version_of(source), restore)
+        modeling = {source.output_name: wrapper.code, text.output_name: rewrite.code}
+    policy = render_policy(family, source.module_name, is_legacy(source))
     updates, changes = config_updates(inputs.config, family, source.module_name, inputs.coalesce)
     files = {
-        source.output_name: rewrite.code.encode("utf-8"),
+        **{name: code.encode("utf-8") for name, code in modeling.items()},
         POLICY_FILE: policy.encode("utf-8"),
         CONFIG: configjson.edit(inputs.config_bytes, updates),
     }

@@ -12,8 +12,9 @@ import ast
 from libcst.helpers import get_absolute_module_from_package
 
 from codegen.errors import BadSource
+from codegen.families import TEXT_CONFIG
 from codegen.patch.target import RewriteTarget
-from codegen.patch.transforms import NATIVE_LOADING_METHOD, VERSION_GUARD
+from codegen.patch.transforms import AUTO_FROM_CONFIG, CLASS_FROM_CONFIG, NATIVE_LOADING_METHOD, VERSION_GUARD
 from codegen.policy.runtime.base import PATCH_MARKER, REDUCE_HELPER
 
 
@@ -24,18 +25,18 @@ def check_only_intended_changes(original: str, patched: str, target: RewriteTarg
     except SyntaxError as exc:  # pragma: no cover - would be a codegen bug
         raise BadSource(f"internal: rewrite of {target.display_name} produced invalid Python ({exc})") from None
     old_tree = ast.parse(original)
-    if _normalised(old_tree, target) != _normalised(_unwrap_codegen(_strip_codegen(new_tree)), target):
+    if _normalised(old_tree, target) != _normalised(_unwrap_codegen(_strip_codegen(new_tree, target)), target):
         raise BadSource(f"internal: rewrite of {target.display_name} changed more than intended; nothing written")
 
 
-def _strip_codegen(tree: ast.Module) -> ast.Module:
+def _strip_codegen(tree: ast.Module, target: RewriteTarget) -> ast.Module:
     class Strip(ast.NodeTransformer):
         def generic_visit(self, node):
             super().generic_visit(node)
             for attr in ("body", "orelse", "finalbody"):
                 stmts = getattr(node, attr, None)
                 if isinstance(stmts, list):
-                    setattr(node, attr, [s for s in stmts if not _is_codegen_stmt(s)])
+                    setattr(node, attr, [s for s in stmts if not _is_codegen_stmt(s, target)])
             return node
 
     return Strip().visit(tree)
@@ -55,9 +56,11 @@ def _unwrap_codegen(tree: ast.Module) -> ast.Module:
     return Unwrap().visit(tree)
 
 
-def _is_codegen_stmt(stmt: ast.stmt) -> bool:
+def _is_codegen_stmt(stmt: ast.stmt, target: RewriteTarget) -> bool:
     if isinstance(stmt, ast.FunctionDef) and stmt.name in (REDUCE_HELPER, NATIVE_LOADING_METHOD, VERSION_GUARD):
         return True
+    if target.text_import and isinstance(stmt, ast.ImportFrom):  # the wrapper's import of its patched decoder
+        return stmt.level == 1 and stmt.module == target.text_import
     if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):  # the version guard's call
         return isinstance(stmt.value.func, ast.Name) and stmt.value.func.id == VERSION_GUARD
     if isinstance(stmt, ast.Assign):
@@ -69,7 +72,21 @@ def _is_codegen_stmt(stmt: ast.stmt) -> bool:
 
 
 def _normalised(tree: ast.Module, target: RewriteTarget) -> str:
+    wrapper = target.family.wrapper
+    text_model = wrapper.text_model if wrapper is not None else ""
+
     class Absolute(ast.NodeTransformer):
+        def visit_Call(self, node: ast.Call) -> ast.Call:
+            """`<TextModel>._from_config(x.text_config)` reads as the auto-class call it replaces (in both trees)."""
+            self.generic_visit(node)
+            func = node.func
+            if text_model and isinstance(func, ast.Attribute) and func.attr == CLASS_FROM_CONFIG \
+                    and isinstance(func.value, ast.Name) and func.value.id == text_model and len(node.args) == 1 \
+                    and isinstance(node.args[0], ast.Attribute) and node.args[0].attr == TEXT_CONFIG:
+                node.func = ast.Attribute(value=ast.Name(id=AUTO_FROM_CONFIG[0], ctx=ast.Load()),
+                                          attr=AUTO_FROM_CONFIG[1], ctx=ast.Load())
+            return node
+
         def visit_ImportFrom(self, node: ast.ImportFrom) -> ast.ImportFrom:
             if node.level and not (node.level == 1 and (node.module or "").split(".")[0] in target.shipped_modules):
                 absolute = get_absolute_module_from_package(target.package, node.module, node.level)

@@ -133,6 +133,26 @@ def resolve_source(
                        frozenset(), version)
 
 
+def resolve_text_source(family: Family, source: ModelSource) -> ModelSource | None:
+    """A multimodal wrapper whose text decoder is another family's module (codegen.families Wrapper.text_family):
+    that module, from the transformers the wrapper's own comes from; None for every other family."""
+    if family.wrapper is None or not family.wrapper.text_family:
+        return None
+    text = family.text_family
+    if source.kind != "builtin":
+        raise BadSource(
+            f"{source.origin_path}: {family.model_type} builds its text decoder from transformers' "
+            f"{text.builtin_module}; codegen patches the two built-in modules together: use the installed "
+            f"transformers' (no --source, no remote code in auto_map)"
+        )
+    path = builtin_source_path(text)
+    if path is None:
+        raise BadSource(f"transformers {source.transformers_version} does not ship {text.builtin_module}, the text "
+                        f"decoder of {family.model_type}: install a release that does ({', '.join(family.releases)})")
+    return ModelSource(text, str(path), "builtin", _read_text(path), path.name, text.builtin_module.rsplit(".", 1)[0],
+                       frozenset(), source.transformers_version)
+
+
 def transformers_version_of(path: Path) -> str | None:
     """The release a file inside a transformers tree comes from (its package's `__version__`), else None."""
     for folder in path.resolve().parents:

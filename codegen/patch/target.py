@@ -19,3 +19,9 @@ class RewriteTarget:
     #: how to name the source in error messages
     display_name: str
     transformers_version: str | None = None
+    #: the source holds the family's MoE blocks (False: a multimodal wrapper's own module, whose text decoder
+    #: comes from the patched module `text_import` written beside it)
+    moe_block: bool = True
+    text_import: str | None = None
+    #: the source's experts are fused 3-D Parameters (set for a wrapper's own module from its text module's)
+    fused_text: bool = False

@@ -1,7 +1,10 @@
 """The edits of a modeling source, one small libcst transformer each; they touch only what they must.
 
 - `InsertCoalescedReduction`: `T = _codegen_moe_all_reduce(self, T)` after the anchor statement of the MoE
-  block's forward; `WrapReturnedSum`: the same around a routed + shared sum built inside the `return`;
+  block's forward; `WrapReturnedValue`: the same around the value the `return` builds (a routed + shared sum,
+  or the routed experts' output);
+- `BuildTextModelHere`: a multimodal wrapper that builds its text decoder through `AutoModel.from_config` builds
+  the patched module's class instead (the auto class would build transformers' own);
 - `AbsolutizeImports`: relative imports become `transformers.` imports, so the file loads as remote code;
 - `DeclareNativeLoading`: for transformers 5.x sources (fused 3-D experts), the override that keeps
   transformers' checkpoint conversion mapping;
@@ -65,9 +68,10 @@ class InsertCoalescedReduction(_MoEForwardTransformer):
         return body
 
 
-class WrapReturnedSum(_MoEForwardTransformer):
+class WrapReturnedValue(_MoEForwardTransformer):
     """`return a + b` -> `return _codegen_moe_all_reduce(self, a + b)` in the MoE block's forward (a tuple's
-    first element likewise): the reduction sits on the one path out, and no statement is split or renamed."""
+    first element likewise; any returned expression): the reduction sits on the one path out, and no statement is
+    split or renamed."""
 
     def rewrite_forward(self, body: list[cst.BaseStatement]) -> list[cst.BaseStatement]:
         line = body[self.anchor.index]
@@ -83,6 +87,38 @@ class WrapReturnedSum(_MoEForwardTransformer):
             body=[ret.with_changes(value=value)], leading_lines=[*line.leading_lines, comment]
         )
         return body
+
+
+#: the auto-class call a wrapper builds its text decoder with, and the class method codegen calls instead
+AUTO_FROM_CONFIG = ("AutoModel", "from_config")
+CLASS_FROM_CONFIG = "_from_config"
+
+
+def text_model_call(config_attr: str) -> m.BaseMatcherNode:
+    """`AutoModel.from_config(<x>.<config_attr>)`: a wrapper building its text decoder through the auto class."""
+    return m.Call(func=m.Attribute(value=m.Name(AUTO_FROM_CONFIG[0]), attr=m.Name(AUTO_FROM_CONFIG[1])),
+                  args=[m.Arg(value=m.Attribute(attr=m.Name(config_attr)))])
+
+
+class BuildTextModelHere(cst.CSTTransformer):
+    """`AutoModel.from_config(config.text_config)` -> `<TextModel>._from_config(config.text_config)`.
+
+    The auto class builds transformers' own text decoder, so the patched MoE blocks would never run; the class's
+    `_from_config` is what the auto class calls, so nothing else changes. `redirected` counts the calls.
+    """
+
+    def __init__(self, text_model: str, config_attr: str) -> None:
+        super().__init__()
+        self.text_model = text_model
+        self.matcher = text_model_call(config_attr)
+        self.redirected = 0
+
+    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
+        if not m.matches(original_node, self.matcher):
+            return updated_node
+        self.redirected += 1
+        return updated_node.with_changes(func=cst.Attribute(value=cst.Name(self.text_model),
+                                                            attr=cst.Name(CLASS_FROM_CONFIG)))
 
 
 def reduced(expr: cst.BaseExpression) -> cst.Call:

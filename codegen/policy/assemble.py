@@ -89,11 +89,13 @@ def runtime_module(name: str = "codegen_policy_runtime") -> types.ModuleType:
     return module
 
 
-def render_header(family: Family, modeling_module: str, runtime_sha: str) -> str:
-    """The rendered header alone: docstring, LAYOUT, KNOB, MODELING_MODULE, RUNTIME_SHA256."""
+def render_header(family: Family, modeling_module: str, runtime_sha: str, legacy: bool = False) -> str:
+    """The rendered header alone: docstring, LAYOUT, KNOB, MODELING_MODULE, RUNTIME_SHA256 (`legacy`: the layout
+    of the family's transformers 4.x sources)."""
     return render(
         "autotp_policy.py.j2",
-        layout=family.policy_layout(),
+        layout=family.policy_layout(legacy),
+        auto_class=next(iter(family.auto_classes)),
         knob=KNOB,
         modeling_module=modeling_module,
         runtime_sha256=runtime_sha,
@@ -101,10 +103,10 @@ def render_header(family: Family, modeling_module: str, runtime_sha: str) -> str
     )
 
 
-def render_policy(family: Family, modeling_module: str) -> str:
+def render_policy(family: Family, modeling_module: str, legacy: bool = False) -> str:
     """The `autotp_policy.py` `patch` writes next to the patched `<modeling_module>.py`: header + runtime."""
     runtime = runtime_text()
-    text = render_header(family, modeling_module, runtime_sha256(runtime)) + runtime
+    text = render_header(family, modeling_module, runtime_sha256(runtime), legacy) + runtime
     ast.parse(text, filename=f"{POLICY_MODULE}.py")
     return text
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from codegen.errors import BadInput, ServeFailed
-from codegen.families import FAMILIES, normalise_model_type
+from codegen.families import family_named, normalise_model_type
 from codegen.modeldir.layout import CONFIG, POLICY_FILE
 from codegen.patch.config import check_tp_divides
 from codegen.ranks import LocalRanks, last_error_line
@@ -46,7 +46,7 @@ def check_servable(model_dir: Path, tp: int) -> str:
     family = normalise_model_type(config.get("model_type"))
     if family is None:
         raise BadInput(f"{model_dir / CONFIG}: model_type {config.get('model_type')!r} is not a family codegen serves")
-    check_tp_divides(config, FAMILIES[family], tp, model_dir / CONFIG)
+    check_tp_divides(config, family_named(family), tp, model_dir / CONFIG)
     return family
 
 

@@ -34,10 +34,10 @@ forward does not reduce. On CPU, each rank unlinks its DeepSpeed shared-memory b
 has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 """
 
-LAYOUT = {'family': 'mixtral', 'moe_classes': ['MixtralSparseMoeBlock'], 'experts': 'experts', 'per_expert': {'gate': 'w1', 'up': 'w3', 'down': 'w2'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': ''}, 'shared': [], 'routers': ['gate'], 'attention_replicated': [], 'attention_head_params': [], 'moe_block_attrs': ['mlp', 'block_sparse_moe'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'intermediate_size']}
+LAYOUT = {'family': 'mixtral', 'moe_classes': ['MixtralSparseMoeBlock'], 'experts': 'experts', 'per_expert': {'gate': 'w1', 'up': 'w3', 'down': 'w2'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': ''}, 'shared': [], 'routers': ['gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp', 'block_sparse_moe'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'intermediate_size']}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_mixtral'
-RUNTIME_SHA256 = 'bd27f7a03437ae79d67b5e793051326c18dadeae07c27fe8b821a1c186326a36'
+RUNTIME_SHA256 = '349f119bc85f6e3c16c6415648b42b3556a2d1cebcac8f3a315aecf42a842d45'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -65,6 +65,8 @@ SHARDED_FLAG = "_codegen_sharded"
 #: family; codegen.policy.runtime.experts shards each):
 #: gate_up [E, 2I, H] (gate rows, then up rows), down [E, H, I]
 FUSED_GATE_UP_ROWS = "gate_up_rows"
+#: gate_up [E, H, 2I] (gate columns, then up columns), down [E, I, H]
+FUSED_GATE_UP_HALVES_COLS = "gate_up_halves_cols"
 #: gate_up [E, H, 2I] with gate/up interleaved along the last dim (gate = [..., ::2], up = [..., 1::2]),
 #: down [E, I, H]; optional biases gate_up_bias [E, 2I] and down_bias [E, H]
 FUSED_GATE_UP_INTERLEAVED_COLS = "gate_up_interleaved_cols"
@@ -638,8 +640,31 @@ def shard_gate_up_interleaved_cols(experts, where, rank, world, names):
     return shard
 
 
+@torch.no_grad()
+def shard_gate_up_halves_cols(experts, where, rank, world, names):
+    """gate_up [E, H, 2I] (gate columns, then up columns) and down [E, I, H]: each rank keeps I/world of both.
+
+    The transposed twin of shard_gate_up_rows: gate_up keeps its gate|up packing per rank along the last
+    dim, down splits its input dimension (1).
+    """
+    params = _fused_params(experts, where, names)
+    gate_up, down = params["gate_up"], params["down"]
+    inter = down.shape[1]
+    if gate_up.shape[2] != 2 * inter or inter % world or params["gate_up_bias"] is not None:
+        raise PolicyError(f"{where} has {names['gate_up']} {tuple(gate_up.shape)} and {names['down']} "
+                          f"{tuple(down.shape)}: cannot split the expert size {inter} over {world} ranks")
+    shard = inter // world
+    lo, hi = rank * shard, (rank + 1) * shard
+    gate_up.data = torch.cat([gate_up.data[:, :, lo:hi], gate_up.data[:, :, inter + lo : inter + hi]],
+                             dim=2).contiguous()
+    down.data = down.data[:, lo:hi, :].clone(memory_format=torch.contiguous_format)
+    keep_down_bias_once(params["down_bias"], rank)
+    return shard
+
+
 #: fused expert layouts (codegen.families FusedExperts.kind) and the function that shards each
-FUSED_SHARDERS = {FUSED_GATE_UP_ROWS: shard_gate_up_rows, FUSED_GATE_UP_INTERLEAVED_COLS: shard_gate_up_interleaved_cols}
+FUSED_SHARDERS = {FUSED_GATE_UP_ROWS: shard_gate_up_rows, FUSED_GATE_UP_HALVES_COLS: shard_gate_up_halves_cols,
+                  FUSED_GATE_UP_INTERLEAVED_COLS: shard_gate_up_interleaved_cols}
 
 
 def shard_fused_experts(experts, where, rank, world, fused):
@@ -655,12 +680,39 @@ def shard_fused_experts(experts, where, rank, world, fused):
     setattr(experts, SHARDED_FLAG, True)
 
 
-# ---- codegen/policy/runtime/attention.py ----
-"""Attention pieces DeepSpeed's AutoTP gets wrong, put right: per-head Parameters and replicated layers.
+def row_layer_policy(model, blocks, layout, auto_tp):
+    """DeepSpeed's injection policy for the decoder layers, where its own parser would pick the wrong row layers
+    for 4.x experts; None where it picks them right (then it parses as it always does).
 
-DeepSpeed splits the q/k/v projections by heads but never touches a per-head Parameter (attention sinks),
-and wraps every `nn.Linear` it finds (routers and MLA low-rank inputs included): per-head Parameters are cut
-to the heads DeepSpeed left on the rank, and the layers that must stay whole are kept out of its sight.
+    Its parser (`AutoTP.tp_parser`) makes a linear row-parallel by name (`down_proj`, `o_proj`, Mixtral's `w2`)
+    or because a LayerNorm follows it; a per-expert MLP whose down projection it does not name (Phi-3.5-MoE's
+    `w2`, under LayerNorms) gets one row layer, its last expert's up projection. Every per-expert `<i>.<down>`
+    must be a row layer and no other per-expert linear may be.
+    """
+    experts = [block._modules.get(layout["experts"]) for _, block in blocks]
+    indices = {key for e in experts if isinstance(e, torch.nn.ModuleList) for key in e._modules}
+    if not indices or auto_tp is None:
+        return None
+    down = layout["per_expert"]["down"]
+    wanted = {f"{i}.{down}" for i in indices}
+    fixed, changed = {}, False
+    for layer_class, gems in auto_tp.tp_parser(model):
+        gems = set(gems)
+        kept = {g for g in gems if g.split(".", 1)[0] not in indices} | wanted
+        changed = changed or kept != gems
+        fixed[layer_class] = tuple(sorted(kept))
+    return fixed if changed else None
+
+
+# ---- codegen/policy/runtime/attention.py ----
+"""Attention pieces DeepSpeed's AutoTP gets wrong, put right: per-head Parameters, full-width norms, per-head
+linears and replicated layers.
+
+DeepSpeed splits the q/k/v projections by heads but never touches a per-head Parameter (attention sinks) or a
+norm over all heads of a projection, and wraps every `nn.Linear` it finds (routers, MLA low-rank inputs, a DSA
+indexer, a vision tower included): per-head Parameters are cut to the heads DeepSpeed left on the rank, a
+full-width norm and its projection stay whole and each rank keeps its heads of the normed output, and the
+modules that must stay whole are kept out of its sight.
 """
 
 import torch
@@ -747,11 +799,165 @@ def shard_head_params(owners, dist, group, rank, world, column_class):
             param.data = param.data[start : start + count].clone()  # a slice is contiguous: clone frees the full tensor
 
 
+# ------------------------------------------------------------------------------------------ full-width norms
+
+
+def full_width_norm_owners(model, layout):
+    """Attention modules with a norm over a projection's whole output (every head), recorded before DeepSpeed
+    shards: the (norm, projection) pairs, and the full output rows of the other projections DeepSpeed will split.
+
+    The norm's mean runs over all heads, so a rank holding some heads cannot compute it from its own columns.
+    The projection and the norm stay whole on every rank (`detach_full_width_norms`) and each rank keeps its
+    heads of the normed output (`slice_full_width_norms`): exact, and no collective beyond attention's own.
+    """
+    pairs = [tuple(pair) for pair in layout.get("full_width_norms", ())]
+    owners = []
+    if not pairs:
+        return owners
+    for name, module in model.named_modules():
+        found = [(norm, proj) for norm, proj in pairs if isinstance(module._modules.get(norm), torch.nn.Module)
+                 and isinstance(module._modules.get(proj), torch.nn.Linear)]
+        if not found:
+            continue
+        for norm, proj in found:
+            weight = getattr(module._modules[norm], "weight", None)
+            if not isinstance(weight, torch.Tensor) or weight.numel() != module._modules[proj].out_features:
+                raise PolicyError(f"{name}.{norm} does not span the whole output of {name}.{proj}: "
+                                  "re-run patch (the family table names it a full-width norm)")
+        whole = {attr for pair in found for attr in pair}
+        rows = {attr: c.out_features for attr, c in module._modules.items()
+                if isinstance(c, torch.nn.Linear) and attr not in whole}
+        owners.append({"where": name, "module": module, "pairs": found, "rows": rows})
+    return owners
+
+
+def _sliced_norm_class(base):
+    """A subclass of the norm's class whose output is this rank's heads of the full-width normed tensor."""
+
+    class FullWidthNormOwnHeads(base):
+        def forward(self, *args, **kwargs):
+            start, width = self._codegen_own_columns
+            return super().forward(*args, **kwargs)[..., start : start + width].contiguous()
+
+    FullWidthNormOwnHeads.__qualname__ = f"FullWidthNormOwnHeads[{base.__name__}]"
+    return FullWidthNormOwnHeads
+
+
+_SLICED_NORMS = {}
+
+
+def detach_full_width_norms(owners):
+    """The norms and their projections, kept out of DeepSpeed's sight (whole on every rank)."""
+    return [_detach(owner["module"], attr, f"{owner['where']}.{attr}") for owner in owners
+            for pair in owner["pairs"] for attr in pair]
+
+
+def own_fraction(owner, column_class):
+    """(local rows, full rows) of the projections DeepSpeed split: the share of the heads this rank holds."""
+    shares = set()
+    for attr, full in owner["rows"].items():
+        child = owner["module"]._modules.get(attr)
+        if isinstance(child, column_class):
+            shares.add((child.weight.shape[0], full))
+    fractions = {local / full for local, full in shares}
+    if len(fractions) != 1:
+        raise PolicyError(f"{owner['where']}: DeepSpeed split {'none' if not fractions else 'differently'} of its "
+                          "other projections by heads: cannot keep this rank's heads of its full-width norms")
+    return shares.pop()
+
+
+def _offsets(widths, dist, group, rank, world, device):
+    """Where this rank's share of each tensor starts: the widths the lower ranks keep, added (one all_gather)."""
+    mine = torch.tensor(widths, dtype=torch.int64, device=device)
+    gathered = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    return [sum(int(g[i]) for g in gathered[:rank]) for i in range(len(widths))]
+
+
+def _own_width(owner, attr, total, column_class):
+    local, full = own_fraction(owner, column_class)
+    if (total * local) % full:
+        raise PolicyError(f"{owner['where']}.{attr}: this rank's share {local}/{full} of the heads is not "
+                          f"a whole number of its {total} columns")
+    return total * local // full
+
+
+@torch.no_grad()
+def slice_full_width_norms(owners, dist, group, rank, world, column_class):
+    """Each full-width norm returns the columns of the heads this rank holds (the share DeepSpeed gave its
+    split projections), at the offset the lower ranks' shares add up to (one all_gather at init)."""
+    if not owners:
+        return
+    widths = [_own_width(owner, norm, owner["module"]._modules[proj].out_features, column_class)
+              for owner in owners for norm, proj in owner["pairs"]]
+    starts = _offsets(widths, dist, group, rank, world, next(owners[0]["module"].parameters()).device)
+    index = 0
+    for owner in owners:
+        for norm, _ in owner["pairs"]:
+            module = owner["module"]._modules[norm]
+            base = type(module)
+            if base not in _SLICED_NORMS:
+                _SLICED_NORMS[base] = _sliced_norm_class(base)
+            module.__class__ = _SLICED_NORMS[base]
+            module._codegen_own_columns = (starts[index], widths[index])
+            index += 1
+
+
+# ------------------------------------------------------------------------------------------ per-head linears
+
+
+def head_linear_owners(model, layout):
+    """Attention modules with an `nn.Linear` whose output rows are per head (an output gate), recorded before
+    DeepSpeed shards: those linears, and the full output rows of the projections DeepSpeed will split.
+
+    DeepSpeed cuts such a layer in grain-sized steps (its name decides), which need not fall on the heads
+    the q/k/v split left on the rank; kept whole from it (`detach_head_linears`), each rank then keeps the
+    rows of its own heads (`slice_head_linears`).
+    """
+    wanted = tuple(layout.get("attention_head_linears", ()))
+    attention = set(layout.get("attention_attrs", ()))
+    owners = []
+    if not wanted:
+        return owners
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] not in attention:  # an MLP's gate_proj is not a per-head gate
+            continue
+        found = [attr for attr in wanted if isinstance(module._modules.get(attr), torch.nn.Linear)]
+        if found:
+            rows = {attr: c.out_features for attr, c in module._modules.items()
+                    if isinstance(c, torch.nn.Linear) and attr not in found}
+            owners.append({"where": name, "module": module, "linears": found, "rows": rows})
+    return owners
+
+
+def detach_head_linears(owners):
+    return [_detach(owner["module"], attr, f"{owner['where']}.{attr}") for owner in owners
+            for attr in owner["linears"]]
+
+
+@torch.no_grad()
+def slice_head_linears(owners, dist, group, rank, world, column_class):
+    """Each per-head linear keeps the output rows of the heads this rank holds (one all_gather at init)."""
+    if not owners:
+        return
+    linears = [(owner, attr) for owner in owners for attr in owner["linears"]]
+    widths = [_own_width(owner, attr, owner["module"]._modules[attr].out_features, column_class)
+              for owner, attr in linears]
+    starts = _offsets(widths, dist, group, rank, world, next(owners[0]["module"].parameters()).device)
+    for (owner, attr), start, width in zip(linears, starts, widths):
+        linear = owner["module"]._modules[attr]
+        linear.weight.data = linear.weight.data[start : start + width].clone()  # clone frees the full rows
+        if linear.bias is not None:
+            linear.bias.data = linear.bias.data[start : start + width].clone()
+        linear.out_features = width
+
+
 # --------------------------------------------------------------------------------------- replicated layers
 
 
 def detach_replicated(model, blocks, layout):
-    """Take routers and replicated projections out of the model, so DeepSpeed cannot shard or wrap them.
+    """Take routers, replicated attention modules and a wrapper's vision tower and projector out of the model,
+    so DeepSpeed cannot shard or wrap them.
 
     DeepSpeed's AutoTP keeps a few names whole by its own rules and wraps any `nn.Linear` (subclasses too);
     a module that is not in the tree while it shards is left alone whatever its name or type.
@@ -763,20 +969,35 @@ def detach_replicated(model, blocks, layout):
             if not isinstance(block._modules.get(attr), torch.nn.Module):
                 raise PolicyError(f"{name} has no router {attr!r} (named by the family table): re-run patch")
             kept.append(_detach(block, attr, f"{name}.{attr}"))
-    wanted = set(layout["attention_replicated"])
+    wanted = set(layout["attention_replicated"]) | set(layout.get("replicated", ()))
     for name, parent in list(model.named_modules()):
         for attr in [a for a, child in parent._modules.items() if a in wanted and child is not None]:
             kept.append(_detach(parent, attr, f"{name}.{attr}" if name else attr))
     return kept
 
 
+def _fingerprint(tensor, dtype):
+    """(shape, sum, sum of |x|) in float64 of the tensor as the engine's dtype holds it: a split changes the
+    shape, a change of any value the sums (a copy of a vision tower per rank would cost its whole size)."""
+    t = tensor.detach().cpu()  # one reduction order, wherever the module lives
+    if t.is_floating_point() and dtype is not None:
+        t = t.to(dtype)
+    t = t.double()
+    return tuple(tensor.shape), t.sum().item(), t.abs().sum().item()
+
+
 def _detach(parent, attr, where):
     module = parent._modules[attr]
-    snapshot = {n: t.detach().clone() for n, t in module.state_dict().items()}
     entry = {"parent": parent, "attr": attr, "where": where, "module": module, "type": type(module),
-             "order": list(parent._modules), "snapshot": snapshot}
+             "order": list(parent._modules)}
     del parent._modules[attr]
     return entry
+
+
+def fingerprint_kept(kept, dtype):
+    """Each detached module's tensors, fingerprinted as the engine's dtype will hold them (before DeepSpeed runs)."""
+    for entry in kept:
+        entry["snapshot"] = {n: _fingerprint(t, dtype) for n, t in entry["module"].state_dict().items()}
 
 
 def reattach(kept, dtype):
@@ -795,14 +1016,15 @@ def reattach(kept, dtype):
 
 
 def check_replicated(kept):
-    """Every detached module is back, of its own type, with every tensor whole and unchanged."""
+    """Every detached module is back, of its own type (or the full-width norm's own-heads subclass of it), with
+    every tensor whole and unchanged."""
     for entry in kept:
         module = entry["parent"]._modules.get(entry["attr"])
         state = module.state_dict() if isinstance(module, torch.nn.Module) else {}
-        same = type(module) is entry["type"] and state.keys() == entry["snapshot"].keys() and all(
-            state[n].shape == t.shape and torch.equal(state[n].detach().cpu(), t.to(state[n].dtype).cpu())
-            for n, t in entry["snapshot"].items()
-        )
+        kind = type(module)
+        same_type = kind is entry["type"] or _SLICED_NORMS.get(entry["type"]) is kind
+        same = same_type and state.keys() == entry["snapshot"].keys() and all(
+            _fingerprint(state[n], None) == print_ for n, print_ in entry["snapshot"].items())
         if not same:
             raise PolicyError(f"{entry['where']} was split or changed by DeepSpeed: it must stay replicated")
 
@@ -983,11 +1205,20 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
     deepspeed_kwargs["dtype"] = dtype if dtype is not None else next(model.parameters()).dtype
 
     owners = head_param_owners(model, layout)
-    kept = detach_replicated(model, blocks, layout)
+    norm_owners = full_width_norm_owners(model, layout)
+    linear_owners = head_linear_owners(model, layout)
+    kept = detach_replicated(model, blocks, layout) + detach_full_width_norms(norm_owners)
+    fingerprint_kept(kept, deepspeed_kwargs["dtype"])
+    cut_later = detach_head_linears(linear_owners)  # whole through DeepSpeed, then cut to this rank's heads
+    if "injection_policy" not in deepspeed_kwargs and world > 1:
+        rows = row_layer_policy(model, blocks, layout, lookup(deepspeed, "module_inject.auto_tp.AutoTP"))
+        if rows is not None:
+            deepspeed_kwargs["injection_policy"] = rows
     try:
-        engine = deepspeed.init_inference(model, tensor_parallel=tensor_parallel, **deepspeed_kwargs)
+        with global_sizes_readable(model.config), names_hidden(model, layout.get("name_clashes", ())):
+            engine = deepspeed.init_inference(model, tensor_parallel=tensor_parallel, **deepspeed_kwargs)
     finally:
-        reattach(kept, deepspeed_kwargs["dtype"])
+        reattach(kept + cut_later, deepspeed_kwargs["dtype"])
     if getattr(engine, "mp_group", None) is not group:
         raise PolicyError("deepspeed.init_inference did not take its tensor-parallel group from `mpu`: "
                           f"unsupported DeepSpeed, use {SUPPORTED_DEEPSPEED}")
@@ -998,6 +1229,8 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
     rank = dist.get_rank(group=group)
     if world > 1:  # knob on or off: attention would mix this rank's heads with every head's parameters
         shard_head_params(owners, dist, group, rank, world, column)
+        slice_full_width_norms(norm_owners, dist, group, rank, world, column)
+        slice_head_linears(linear_owners, dist, group, rank, world, column)
     if coalesce and world > 1:
         reducer = CoalescedAllReduce(dist, group, world)
         for name, block in blocks:
@@ -1072,9 +1305,64 @@ def check_sizes(config, tp_size, layout):
         raise PolicyError(f"tp_size must be a positive integer, got {tp_size!r}")
     sizes = size_config(config)
     for key in layout["tp_divisible"]:
-        value = getattr(sizes, key, None)
-        if isinstance(value, int) and value % tp_size:
-            raise PolicyError(f"tp_size {tp_size} does not divide {key} = {value}: pick a tp_size that divides it")
+        for where, value in _size_values(sizes, key):
+            if isinstance(value, int) and value % tp_size:
+                raise PolicyError(f"tp_size {tp_size} does not divide {key} = {value}{where}: pick a tp_size "
+                                  "that divides it")
+
+
+def _size_values(sizes, key):
+    """(where, value) of a size: the global one, and every layer's own where a config sets it per layer."""
+    with global_sizes_readable(sizes):
+        found = [("", getattr(sizes, key, None))]
+    if getattr(sizes, "is_heterogeneous", False):
+        found += [(f" (layer {index})", getattr(layer, key, None)) for index, layer in enumerate(sizes.per_layer_config)]
+    return found
+
+
+class names_hidden:
+    """Within it, the model's modules name themselves without the substrings DeepSpeed's AutoTP special-cases
+    (it searches a module's repr for a model name, e.g. "Yuan", and then shards that model's own way)."""
+
+    def __init__(self, model, clashes):
+        self.modules = [m for m in model.modules() if any(c in type(m).__name__ for c in clashes)] if clashes else []
+        self.clashes = clashes
+
+    def __enter__(self):
+        for module in self.modules:
+            name = type(module).__name__
+            for clash in self.clashes:
+                name = name.replace(clash, clash.lower())
+            module.__dict__["_get_name"] = lambda name=name: name
+        return self
+
+    def __exit__(self, *exc):
+        for module in self.modules:
+            module.__dict__.pop("_get_name", None)
+        return False
+
+
+class global_sizes_readable:
+    """Within it, a config that sets a size per layer answers a read of the global one (transformers raises
+    otherwise; DeepSpeed reads the global head count to split by heads, which stays right per layer: it splits
+    by kv-head groups)."""
+
+    FLAG = "allow_global_per_layer_attribute_access"
+
+    def __init__(self, config):
+        configs = [config, getattr(config, "text_config", None)]
+        self.configs = [c for c in configs if c is not None and hasattr(c, self.FLAG)]
+
+    def __enter__(self):
+        self.saved = [getattr(c, self.FLAG) for c in self.configs]
+        for c in self.configs:
+            setattr(c, self.FLAG, True)
+        return self
+
+    def __exit__(self, *exc):
+        for c, value in zip(self.configs, self.saved):
+            setattr(c, self.FLAG, value)
+        return False
 
 
 def moe_blocks(model, layout):

@@ -23,7 +23,7 @@ from codegen.harness.memory import LOAD_ORDER
 from codegen.harness.worker.counting import per_block_counts
 from codegen.harness.worker.model_figures import cache_of, moe_blocks, param_bytes
 from codegen.harness.worker.reference import Reference, agree, relative
-from codegen.harness.worker.run import LABELS, Run, guarded
+from codegen.harness.worker.run import LABELS, Run, dry_run, guarded
 
 #: the ab phase's setups, in load order: codegen first (its load briefly holds the whole checkpoint, freed
 #: before the others load), then transformers' native TP (loads its shard), then stock AutoTP
@@ -53,8 +53,7 @@ def _load_setups(run: Run, job: dict, opts: dict, ids, wanted: list[str]) -> tup
         else:
             def loads_and_runs(mode=mode):
                 model = run.build(mode, job, opts)
-                with torch.no_grad():
-                    model(ids[:1, :8])  # its first forward: a crash here leaves the others alone
+                dry_run(model, {"input_ids": ids[:1, :8]})  # a crash of any rank's shard leaves the others alone
                 return model
 
             model, crash = guarded(run, f"{job['name']}: {LABELS[mode]}", loads_and_runs)

@@ -77,3 +77,19 @@ def tally(entries: list[str]) -> dict:
     for e in entries:
         out[e] = out.get(e, 0) + 1
     return out
+
+
+#: DeepSpeed's inference all-reduce (every reduction stock AutoTP's forward issues): in place, and out of place
+_DEEPSPEED_REDUCTIONS = {"deepspeed::inference_all_reduce_": False, "deepspeed::inference_all_reduce": True}
+
+
+class SkippedReductions(TorchDispatchMode):
+    """`with SkippedReductions():` DeepSpeed's all-reduce ops return their input, unreduced: a forward that
+    touches no other rank. Its values are wrong, its shapes are not, so a rank whose shard cannot multiply
+    fails here alone, before any rank waits in a collective for a rank that will never arrive."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out_of_place = _DEEPSPEED_REDUCTIONS.get(func._schema.name)
+        if out_of_place is None:
+            return func(*args, **(kwargs or {}))
+        return args[0].clone() if out_of_place else args[0]

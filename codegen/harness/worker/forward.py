@@ -18,7 +18,7 @@ from codegen.harness.worker.counting import ALL_REDUCE_OPS, CollectiveCounter, p
 from codegen.harness.worker.model_figures import (decoder_layers, gate_types, gates_intact, layer_attention, layer_mlp,
                                                   moe_blocks, param_bytes, sharding_figures)
 from codegen.harness.worker.reference import Reference, greedy
-from codegen.harness.worker.run import Run
+from codegen.harness.worker.run import Run, dry_run, guarded
 from codegen.policy.runtime.base import REDUCE_HELPER, REDUCER_ATTR
 
 
@@ -27,6 +27,16 @@ def measure_built(phase: str, job: dict, run: Run, opts: dict, ids, ref: Referen
     model = run.build(phase, job, opts)
     timings[f"{job['name']}/{phase}_load_s"] = time.perf_counter() - t
     return measure(phase, model, run, opts, ids, ref)
+
+
+def built_and_dry_run(phase: str, job: dict, run: Run, opts: dict, ids, ref: Reference, timings: dict):
+    """The phase's model, after one forward on this rank alone (`dry_run`): a shape error surfaces on the rank
+    that has it."""
+    t = time.perf_counter()
+    model = run.build(phase, job, opts)
+    timings[f"{job['name']}/{phase}_load_s"] = time.perf_counter() - t
+    dry_run(model, {"input_ids": ids})
+    return model
 
 
 def measure(phase: str, model, run: Run, opts: dict, ids, ref: Reference) -> dict:
@@ -97,10 +107,37 @@ def measure(phase: str, model, run: Run, opts: dict, ids, ref: Reference) -> dic
     if opts["generate"]:
         with torch.no_grad():
             result["same_tokens"] = bool(torch.equal(greedy(model, ids[:1], opts["generate"]), ref.tokens))
+    # last: a wrapper may keep state from an image forward (4.x GLM-4V keeps its rope deltas for the next call)
+    with torch.no_grad():
+        if ref.image is not None:  # the same contract with image features in the prompt
+            if phase == "stock":  # a comparison: its crash on an image is recorded beside its text figures
+                _, crashed = guarded(run, "stock, with an image", lambda: dry_run(model, ref.image))
+                figures = None
+                if crashed is None:
+                    figures, crashed = guarded(run, "stock, with an image",
+                                               lambda: image_forward(model, blocks, run, ref))
+                result["image"] = figures if crashed is None else {"crashed": crashed}
+            else:
+                result["image"] = image_forward(model, blocks, run, ref)
     result["phase_timings"] = {"sharding_figures_s": t1 - t0, "generate_s": time.perf_counter() - t1}
     if opts["grad_check"] and phase == "codegen":
         result["grad_check"] = grad_check(blocks, counter, dist)
     return result
+
+
+def image_forward(model, blocks, run: Run, ref: Reference) -> dict:
+    """One counted forward of the reference's image prompt: all-reduces in all and per MoE block, logits diff."""
+    counter = run.counter
+    moe_counts, hooks = per_block_counts(blocks, counter)
+    counter.reset()
+    try:
+        with counter:
+            logits = model(**ref.image).logits.float().cpu()
+    finally:
+        for h in hooks:
+            h.remove()
+    return {"allreduce_per_forward": counter.calls, "allreduce_per_moe_block": moe_counts,
+            "maxdiff": (logits - ref.image_logits).abs().max().item()}
 
 
 def grad_check(blocks, counter: CollectiveCounter, dist) -> dict:

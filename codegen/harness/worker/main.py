@@ -40,8 +40,8 @@ _T_TORCH = time.perf_counter()
 from codegen.harness.opcache import preload_shm_op, save_shm_op  # noqa: E402
 from codegen.harness.worker.ab import measure_ab  # noqa: E402
 from codegen.harness.worker.counting import CollectiveCounter  # noqa: E402
-from codegen.harness.worker.forward import measure_built  # noqa: E402
-from codegen.models import model_config  # noqa: E402
+from codegen.harness.worker.forward import built_and_dry_run, measure, measure_built  # noqa: E402
+from codegen.models import model_sizes  # noqa: E402
 from codegen.harness.worker.protocol import DEFAULTS, PHASES  # noqa: E402
 from codegen.harness.worker.reference import Reference, release_heap  # noqa: E402
 from codegen.harness.worker.run import Run, guarded  # noqa: E402
@@ -50,7 +50,7 @@ from codegen.harness.worker.run import Run, guarded  # noqa: E402
 def run_job(run: Run, job: dict, defaults: dict, timings: dict) -> dict:
     opts = {**DEFAULTS, **defaults, **job.get("options", {})}
     name = job["name"]
-    vocab = model_config(job["reference"])["vocab_size"]
+    vocab = model_sizes(job["reference"])["vocab_size"]
     ids = torch.randint(0, vocab, (opts["batch"], opts["prompt_len"]), generator=torch.Generator().manual_seed(1))
     ids = ids.to(run.device)
     phases = job["phases"]
@@ -58,19 +58,26 @@ def run_job(run: Run, job: dict, defaults: dict, timings: dict) -> dict:
     run.say(f"{name}: single-process reference (prefill {opts['batch']}x{opts['prompt_len']} tokens"
             + (f" + {decode} greedy decode steps)" if decode else ")"))
     t = time.perf_counter()
-    ref = Reference(run, job["reference"], ids, opts["generate"] if set(phases) - {"ab"} else 0, decode)
+    one_forward = bool(set(phases) - {"ab"})
+    ref = Reference(run, job["reference"], ids, opts["generate"] if one_forward else 0, decode, image=one_forward)
     timings[f"{name}/reference_s"] = time.perf_counter() - t
     out = {}
     for phase in phases:
         t = time.perf_counter()
         if phase == "ab":
-            out[phase] = {"num_layers": model_config(job["reference"])["num_hidden_layers"],
+            out[phase] = {"num_layers": model_sizes(job["reference"])["num_hidden_layers"],
                           **measure_ab(run, job, opts, ids, ref)}
         else:
             run.say(f"{name}: {phase}")
             if phase == "stock":  # a comparison: a crash is recorded, the launch goes on
-                figures, crashed = guarded(run, f"{name}: stock",
-                                           lambda: measure_built(phase, job, run, opts, ids, ref, timings))
+                # first on each rank alone (a rank's shard may fail where another's does not: the others would
+                # wait for it in a collective forever), then measured
+                model, crashed = guarded(run, f"{name}: stock", lambda: built_and_dry_run(phase, job, run, opts, ids,
+                                                                                          ref, timings))
+                figures = None
+                if crashed is None:
+                    figures, crashed = guarded(run, f"{name}: stock", lambda: measure(phase, model, run, opts, ids, ref))
+                del model
                 out[phase] = figures if crashed is None else {
                     "mode": phase, "rank": run.rank, "world_size": run.dist.get_world_size(), "crashed": crashed}
             else:

@@ -15,12 +15,15 @@ from codegen.harness.memory import FUSED, ROW_PARALLEL_BIASES, is_expert_param
 from codegen.policy.runtime.base import REDUCER_ATTR, SHARDED_FLAG
 
 MOE_CLASSES = moe_class_names()
-#: router attributes of each MoE block class (kept whole on every rank)
-ROUTERS = {cls: family.routers for family in FAMILIES.values() for cls in family.moe_classes}
+#: router attributes of each MoE block class, either generation's names (kept whole on every rank)
+ROUTERS = {cls: tuple(dict.fromkeys(family.names(False)[1] + family.names(True)[1]))
+           for family in FAMILIES.values() for cls in family.moe_classes}
 #: decoder-layer attributes holding the MLP or MoE block, every family and generation ("mlp" first)
 MLP_ATTRS = tuple(dict.fromkeys(a for family in FAMILIES.values() for a in family.moe_block_attrs))
 #: decoder-layer attributes holding an attention block (of any kind), every family
 ATTENTION_ATTRS = tuple(dict.fromkeys(a for family in FAMILIES.values() for a in family.attention_attrs))
+#: attributes of a multimodal wrapper's vision tower and projector, every family (their layers are not the decoder's)
+WRAPPER_PARTS = frozenset(a for family in FAMILIES.values() if family.wrapper for a in family.wrapper.replicated)
 
 
 def moe_blocks(model) -> list:
@@ -81,7 +84,9 @@ def layer_attention(layer):
 
 
 def decoder_layers(model) -> list:
-    return [m for m in model.modules() if layer_attention(m) is not None and layer_mlp(m) is not None]
+    """The text decoder's layers (a vision tower's blocks, which also hold attention and an MLP, are not)."""
+    return [m for name, m in model.named_modules() if layer_attention(m) is not None and layer_mlp(m) is not None
+            and not WRAPPER_PARTS & set(name.split("."))]
 
 
 
@@ -134,8 +139,10 @@ def sharding_figures(model, ref, scan: bool = True) -> dict:
         if not isinstance(t, torch.nn.Parameter) or params.get(n) is not t or n not in state
         or tuple(state[n].shape) != tuple(t.shape) or state[n].data_ptr() != t.data_ptr()
     ]
-    # a shard that is a view of the full tensor keeps the full storage alive
-    oversized = [n for n, p in params.items() if p.untyped_storage().nbytes() > p.numel() * p.element_size()]
+    # a shard that is a view of the full tensor keeps the full storage alive (an unsharded weight may be a view: a
+    # loader that splits a packed checkpoint tensor leaves views of it, and nothing is freed by sharding it)
+    oversized = [n for n, p in params.items() if n in sharded
+                 and p.untyped_storage().nbytes() > p.numel() * p.element_size()]
     sharded_bytes = sum(t.numel() * t.element_size() for t in sharded.values())
     sharded_full = sum(ref.param_bytes.get(n, 0) for n in sharded)
     # any other live tensor with the full shape of a sharded weight (a copy DeepSpeed or the policy kept)

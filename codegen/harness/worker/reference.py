@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from codegen.harness.worker.images import image_inputs
 from codegen.harness.worker.model_figures import cache_of, gate_types, gate_weights, param_bytes
 from codegen.models import has_remote_code, load
 from codegen.harness.worker.run import Run
@@ -21,10 +22,12 @@ class Reference:
     """The single-process unpatched model's outputs and parameter figures (the model itself is freed).
 
     With `decode_steps`, also its greedy decode with the KV cache: the tokens the ab phase forces and
-    each step's logits.
+    each step's logits. With `image`, for a multimodal wrapper, also the inputs of a prompt holding an image
+    (codegen.harness.worker.images) and that forward's logits.
     """
 
-    def __init__(self, run: Run, directory: str, ids: torch.Tensor, generate: int, decode_steps: int) -> None:
+    def __init__(self, run: Run, directory: str, ids: torch.Tensor, generate: int, decode_steps: int,
+                 image: bool = False) -> None:
         t0 = time.perf_counter()
         model = load(directory, has_remote_code(directory), torch.float32).to(run.device)
         t1 = time.perf_counter()
@@ -32,7 +35,8 @@ class Reference:
         with torch.no_grad():
             run.sync()
             t = time.perf_counter()
-            out = model(ids, use_cache=bool(decode_steps))
+            # with its cache, as every phase's forward runs (4.57's GLM-4V cannot build its mask without one)
+            out = model(ids, use_cache=True)
             run.sync()
             self.prefill_s.append(time.perf_counter() - t)
             self.logits = out.logits.float().cpu()
@@ -49,13 +53,18 @@ class Reference:
                     self.decode_s.append(time.perf_counter() - t)
                     self.step_logits.append(out.logits.float().cpu())
                     cache, token = cache_of(out), out.logits[:, -1:].argmax(-1)
+            # last: a wrapper may keep state from an image forward (4.x GLM-4V keeps its rope deltas)
+            self.image = image_inputs(model, ids) if image else None
+            self.image_logits = model(**self.image).logits.float().cpu() if self.image is not None else None
         self.timings = {"reference_load_s": t1 - t0, "reference_forward_s": t2 - t1,
                         "reference_generate_s": time.perf_counter() - t2}
         self.bytes = param_bytes(model)
         self.gates = gate_weights(model)
         self.gate_types = gate_types(model)
-        self.shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-        self.param_bytes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
+        # every name of a tied weight (DeepSpeed unties an LM head tied to the embeddings when it shards it)
+        named = list(model.named_parameters(remove_duplicate=False))
+        self.shapes = {n: tuple(p.shape) for n, p in named}
+        self.param_bytes = {n: p.numel() * p.element_size() for n, p in named}
         del model, out
         gc.collect()
         release_heap()
@@ -64,7 +73,8 @@ class Reference:
 
     def tensors(self) -> list:
         """Every tensor this reference keeps (the gates' copies, logits, tokens): not a copy a model kept."""
-        kept = (self.logits, self.tokens, *self.gates.values(), *self.forced, *self.step_logits)
+        kept = (self.logits, self.tokens, self.image_logits, *(self.image or {}).values(), *self.gates.values(),
+                *self.forced, *self.step_logits)
         return [t for t in kept if isinstance(t, torch.Tensor)]
 
 

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from codegen.harness.worker.counting import CollectiveCounter
+from codegen.harness.worker.counting import CollectiveCounter, SkippedReductions
 from codegen.models import has_remote_code, load, load_policy
 from codegen.harness.worker.protocol import PROGRESS
 
@@ -63,6 +63,14 @@ class Run:
 # ------------------------------------------------------------------------------------ a stock crash, recorded
 
 
+def dry_run(model, inputs: dict) -> None:
+    """One forward on this rank alone, its reductions skipped (codegen.harness.worker.counting.SkippedReductions):
+    run inside `guarded` before a comparison setup's real forwards, so a rank whose shard fails fails here, not
+    in a collective the other ranks would wait in forever."""
+    with torch.no_grad(), SkippedReductions():
+        model(**inputs)
+
+
 def crash_line(exc: BaseException) -> str:
     """`<ExceptionType>: <first line of the message>`: what a crashed phase records."""
     text = str(exc).strip()
@@ -73,8 +81,8 @@ def guarded(run: Run, what: str, section):
     """(section(), None), or (None, crash line) on every rank when it raised on any rank.
 
     The ranks agree with one all-reduce of a flag after the section, whether or not they raised: a
-    rank that caught the error reaches the same collective as the others (the crashes seen here happen
-    before any collective of the section, identically on every rank).
+    rank that caught the error reaches the same collective as the others. That holds when the section's
+    crash comes before any collective it issues, on every rank: a first forward is therefore a `dry_run`.
     """
     result, error = None, None
     try:

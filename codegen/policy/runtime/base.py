@@ -22,6 +22,8 @@ SHARDED_FLAG = "_codegen_sharded"
 #: family; codegen.policy.runtime.experts shards each):
 #: gate_up [E, 2I, H] (gate rows, then up rows), down [E, H, I]
 FUSED_GATE_UP_ROWS = "gate_up_rows"
+#: gate_up [E, H, 2I] (gate columns, then up columns), down [E, I, H]
+FUSED_GATE_UP_HALVES_COLS = "gate_up_halves_cols"
 #: gate_up [E, H, 2I] with gate/up interleaved along the last dim (gate = [..., ::2], up = [..., 1::2]),
 #: down [E, I, H]; optional biases gate_up_bias [E, 2I] and down_bias [E, H]
 FUSED_GATE_UP_INTERLEAVED_COLS = "gate_up_interleaved_cols"

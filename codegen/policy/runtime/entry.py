@@ -10,10 +10,12 @@ import sys
 
 import torch
 
-from codegen.policy.runtime.attention import (check_replicated, detach_replicated, head_param_owners, reattach,
-                                              shard_head_params)
+from codegen.policy.runtime.attention import (check_replicated, detach_full_width_norms, detach_head_linears,
+                                              detach_replicated, fingerprint_kept, full_width_norm_owners,
+                                              head_linear_owners, head_param_owners, reattach, shard_head_params,
+                                              slice_full_width_norms, slice_head_linears)
 from codegen.policy.runtime.base import PATCH_MARKER, REDUCER_ATTR, SUPPORTED_DEEPSPEED, PolicyError
-from codegen.policy.runtime.experts import shard_experts
+from codegen.policy.runtime.experts import row_layer_policy, shard_experts
 from codegen.policy.runtime.environment import launcher_notes, local_ranks, thread_note
 from codegen.policy.runtime.groups import CoalescedAllReduce, TensorParallelGroups, route_inference_reductions
 from codegen.policy.runtime.lockstep import keep_in_lockstep
@@ -83,11 +85,20 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
     deepspeed_kwargs["dtype"] = dtype if dtype is not None else next(model.parameters()).dtype
 
     owners = head_param_owners(model, layout)
-    kept = detach_replicated(model, blocks, layout)
+    norm_owners = full_width_norm_owners(model, layout)
+    linear_owners = head_linear_owners(model, layout)
+    kept = detach_replicated(model, blocks, layout) + detach_full_width_norms(norm_owners)
+    fingerprint_kept(kept, deepspeed_kwargs["dtype"])
+    cut_later = detach_head_linears(linear_owners)  # whole through DeepSpeed, then cut to this rank's heads
+    if "injection_policy" not in deepspeed_kwargs and world > 1:
+        rows = row_layer_policy(model, blocks, layout, lookup(deepspeed, "module_inject.auto_tp.AutoTP"))
+        if rows is not None:
+            deepspeed_kwargs["injection_policy"] = rows
     try:
-        engine = deepspeed.init_inference(model, tensor_parallel=tensor_parallel, **deepspeed_kwargs)
+        with global_sizes_readable(model.config), names_hidden(model, layout.get("name_clashes", ())):
+            engine = deepspeed.init_inference(model, tensor_parallel=tensor_parallel, **deepspeed_kwargs)
     finally:
-        reattach(kept, deepspeed_kwargs["dtype"])
+        reattach(kept + cut_later, deepspeed_kwargs["dtype"])
     if getattr(engine, "mp_group", None) is not group:
         raise PolicyError("deepspeed.init_inference did not take its tensor-parallel group from `mpu`: "
                           f"unsupported DeepSpeed, use {SUPPORTED_DEEPSPEED}")
@@ -98,6 +109,8 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
     rank = dist.get_rank(group=group)
     if world > 1:  # knob on or off: attention would mix this rank's heads with every head's parameters
         shard_head_params(owners, dist, group, rank, world, column)
+        slice_full_width_norms(norm_owners, dist, group, rank, world, column)
+        slice_head_linears(linear_owners, dist, group, rank, world, column)
     if coalesce and world > 1:
         reducer = CoalescedAllReduce(dist, group, world)
         for name, block in blocks:
@@ -172,9 +185,64 @@ def check_sizes(config, tp_size, layout):
         raise PolicyError(f"tp_size must be a positive integer, got {tp_size!r}")
     sizes = size_config(config)
     for key in layout["tp_divisible"]:
-        value = getattr(sizes, key, None)
-        if isinstance(value, int) and value % tp_size:
-            raise PolicyError(f"tp_size {tp_size} does not divide {key} = {value}: pick a tp_size that divides it")
+        for where, value in _size_values(sizes, key):
+            if isinstance(value, int) and value % tp_size:
+                raise PolicyError(f"tp_size {tp_size} does not divide {key} = {value}{where}: pick a tp_size "
+                                  "that divides it")
+
+
+def _size_values(sizes, key):
+    """(where, value) of a size: the global one, and every layer's own where a config sets it per layer."""
+    with global_sizes_readable(sizes):
+        found = [("", getattr(sizes, key, None))]
+    if getattr(sizes, "is_heterogeneous", False):
+        found += [(f" (layer {index})", getattr(layer, key, None)) for index, layer in enumerate(sizes.per_layer_config)]
+    return found
+
+
+class names_hidden:
+    """Within it, the model's modules name themselves without the substrings DeepSpeed's AutoTP special-cases
+    (it searches a module's repr for a model name, e.g. "Yuan", and then shards that model's own way)."""
+
+    def __init__(self, model, clashes):
+        self.modules = [m for m in model.modules() if any(c in type(m).__name__ for c in clashes)] if clashes else []
+        self.clashes = clashes
+
+    def __enter__(self):
+        for module in self.modules:
+            name = type(module).__name__
+            for clash in self.clashes:
+                name = name.replace(clash, clash.lower())
+            module.__dict__["_get_name"] = lambda name=name: name
+        return self
+
+    def __exit__(self, *exc):
+        for module in self.modules:
+            module.__dict__.pop("_get_name", None)
+        return False
+
+
+class global_sizes_readable:
+    """Within it, a config that sets a size per layer answers a read of the global one (transformers raises
+    otherwise; DeepSpeed reads the global head count to split by heads, which stays right per layer: it splits
+    by kv-head groups)."""
+
+    FLAG = "allow_global_per_layer_attribute_access"
+
+    def __init__(self, config):
+        configs = [config, getattr(config, "text_config", None)]
+        self.configs = [c for c in configs if c is not None and hasattr(c, self.FLAG)]
+
+    def __enter__(self):
+        self.saved = [getattr(c, self.FLAG) for c in self.configs]
+        for c in self.configs:
+            setattr(c, self.FLAG, True)
+        return self
+
+    def __exit__(self, *exc):
+        for c, value in zip(self.configs, self.saved):
+            setattr(c, self.FLAG, value)
+        return False
 
 
 def moe_blocks(model, layout):

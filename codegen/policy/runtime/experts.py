@@ -8,8 +8,8 @@ Parameters stay the same registered objects and the full tensors are freed.
 
 import torch
 
-from codegen.policy.runtime.base import (FUSED_GATE_UP_INTERLEAVED_COLS, FUSED_GATE_UP_ROWS, SHARDED_FLAG,
-                                         SUPPORTED_DEEPSPEED, PolicyError)
+from codegen.policy.runtime.base import (FUSED_GATE_UP_HALVES_COLS, FUSED_GATE_UP_INTERLEAVED_COLS,
+                                         FUSED_GATE_UP_ROWS, SHARDED_FLAG, SUPPORTED_DEEPSPEED, PolicyError)
 
 #: attributes of DeepSpeed's row-parallel layer that the partial-sum subclass reads
 ROW_LAYER_ATTRS = ("weight", "bias", "tp_index")
@@ -166,8 +166,31 @@ def shard_gate_up_interleaved_cols(experts, where, rank, world, names):
     return shard
 
 
+@torch.no_grad()
+def shard_gate_up_halves_cols(experts, where, rank, world, names):
+    """gate_up [E, H, 2I] (gate columns, then up columns) and down [E, I, H]: each rank keeps I/world of both.
+
+    The transposed twin of shard_gate_up_rows: gate_up keeps its gate|up packing per rank along the last
+    dim, down splits its input dimension (1).
+    """
+    params = _fused_params(experts, where, names)
+    gate_up, down = params["gate_up"], params["down"]
+    inter = down.shape[1]
+    if gate_up.shape[2] != 2 * inter or inter % world or params["gate_up_bias"] is not None:
+        raise PolicyError(f"{where} has {names['gate_up']} {tuple(gate_up.shape)} and {names['down']} "
+                          f"{tuple(down.shape)}: cannot split the expert size {inter} over {world} ranks")
+    shard = inter // world
+    lo, hi = rank * shard, (rank + 1) * shard
+    gate_up.data = torch.cat([gate_up.data[:, :, lo:hi], gate_up.data[:, :, inter + lo : inter + hi]],
+                             dim=2).contiguous()
+    down.data = down.data[:, lo:hi, :].clone(memory_format=torch.contiguous_format)
+    keep_down_bias_once(params["down_bias"], rank)
+    return shard
+
+
 #: fused expert layouts (codegen.families FusedExperts.kind) and the function that shards each
-FUSED_SHARDERS = {FUSED_GATE_UP_ROWS: shard_gate_up_rows, FUSED_GATE_UP_INTERLEAVED_COLS: shard_gate_up_interleaved_cols}
+FUSED_SHARDERS = {FUSED_GATE_UP_ROWS: shard_gate_up_rows, FUSED_GATE_UP_HALVES_COLS: shard_gate_up_halves_cols,
+                  FUSED_GATE_UP_INTERLEAVED_COLS: shard_gate_up_interleaved_cols}
 
 
 def shard_fused_experts(experts, where, rank, world, fused):
@@ -181,3 +204,27 @@ def shard_fused_experts(experts, where, rank, world, fused):
     if hasattr(experts, fused["size_attr"]):
         setattr(experts, fused["size_attr"], shard)
     setattr(experts, SHARDED_FLAG, True)
+
+
+def row_layer_policy(model, blocks, layout, auto_tp):
+    """DeepSpeed's injection policy for the decoder layers, where its own parser would pick the wrong row layers
+    for 4.x experts; None where it picks them right (then it parses as it always does).
+
+    Its parser (`AutoTP.tp_parser`) makes a linear row-parallel by name (`down_proj`, `o_proj`, Mixtral's `w2`)
+    or because a LayerNorm follows it; a per-expert MLP whose down projection it does not name (Phi-3.5-MoE's
+    `w2`, under LayerNorms) gets one row layer, its last expert's up projection. Every per-expert `<i>.<down>`
+    must be a row layer and no other per-expert linear may be.
+    """
+    experts = [block._modules.get(layout["experts"]) for _, block in blocks]
+    indices = {key for e in experts if isinstance(e, torch.nn.ModuleList) for key in e._modules}
+    if not indices or auto_tp is None:
+        return None
+    down = layout["per_expert"]["down"]
+    wanted = {f"{i}.{down}" for i in indices}
+    fixed, changed = {}, False
+    for layer_class, gems in auto_tp.tp_parser(model):
+        gems = set(gems)
+        kept = {g for g in gems if g.split(".", 1)[0] not in indices} | wanted
+        changed = changed or kept != gems
+        fixed[layer_class] = tuple(sorted(kept))
+    return fixed if changed else None
