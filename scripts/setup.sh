@@ -16,5 +16,8 @@ if [[ ${CODEGEN_VENV_CACHE:-} == 1 && ! -e $venv ]]; then
     ln -s "$cached" "$venv"
 fi
 [[ -x $venv/bin/python ]] || python3 -m venv "$venv"
-"$venv/bin/python" -m pip install -q --disable-pip-version-check torch==2.13.0
-"$venv/bin/python" -m pip install -q --disable-pip-version-check -c "$constraints" -e ".[test]"
+# pip writes the interpreter it runs under into every script it installs (torchrun, deepspeed): the venv's real
+# path, so a cached venv's scripts run from any clone that links it
+python="$(cd "$venv" && pwd -P)/bin/python"
+"$python" -m pip install -q --disable-pip-version-check torch==2.13.0
+"$python" -m pip install -q --disable-pip-version-check -c "$constraints" -e ".[test]"
