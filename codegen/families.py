@@ -148,6 +148,38 @@ class Wrapper:
     image_end_key: str = ""
     #: the forward takes `mm_token_type_ids` (1 at image tokens) with `image_grid_thw`
     token_types: bool = False
+    #: the text-only causal LM class the wrapper's checkpoints also load as (`AutoModelForCausalLM`, as transformers
+    #: maps the wrapper's model type): the patched class takes the checkpoint's text config, as the auto class does
+    #: for the built-in one
+    causal_lm: str = ""
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """The linear-attention token mixer of a hybrid decoder (gated delta-net: Qwen3-Next, Qwen3.5): the policy shards
+    it by key-head groups itself, out of DeepSpeed's sight.
+
+    Everything in it is per head (projections, depthwise convolution channels, per-head decay and step Parameters,
+    the recurrent state, a norm within each head), with the value heads of a key head next to each other. So each
+    head-ordered segment of each tensor below is cut into tp equal contiguous parts and a rank keeps its part of
+    every one: its key heads with their value heads. The module's sizes become its share; the output projection
+    is row-parallel, reduced once. The cache follows (its states take the shapes of the local tensors).
+    """
+
+    #: the decoder-layer attribute holding it
+    attr: str
+    #: its `nn.Linear` input projections, each with the segments of its output rows, in order: module attributes
+    #: naming each segment's width (() = one segment, the whole width: interleaved per-key-head groups included)
+    projections: tuple[tuple[str, tuple[str, ...]], ...]
+    #: the depthwise convolution over the q/k/v channels, and its channel segments
+    conv: str = "conv1d"
+    conv_segments: tuple[str, ...] = ("key_dim", "key_dim", "value_dim")
+    #: Parameters of one value per value head
+    head_params: tuple[str, ...] = ("A_log", "dt_bias")
+    #: the output projection (its input columns are per value head)
+    output: str = "out_proj"
+    #: the module's size attributes its forward reads: each becomes this rank's share
+    local_sizes: tuple[str, ...] = ("num_k_heads", "num_v_heads", "key_dim", "value_dim", "conv_dim")
 
 
 @dataclass(frozen=True)
@@ -277,6 +309,8 @@ class Family:
     legacy: Legacy | None = None
     #: a multimodal wrapper: its vision tower and projector (None: a text model)
     wrapper: Wrapper | None = None
+    #: the linear-attention layers of a hybrid decoder (None: attention layers only)
+    linear_attention: LinearAttention | None = None
     #: what the bench and README call the bench-sized example of this family
     bench_label: str = field(default="", metadata=_NOT_OUTPUT)
     #: transformers releases whose source the regression matrix covers (also quoted in errors); the first is the
@@ -343,7 +377,16 @@ class Family:
             "name_clashes": list(self.deepspeed_name_clashes),
             "moe_block_attrs": list(self.moe_block_attrs),
             "tp_divisible": list(self.tp_divisible_keys),
+            "linear_attention": _linear_attention_layout(self.linear_attention),
         }
+
+
+def _linear_attention_layout(spec: LinearAttention | None) -> dict | None:
+    if spec is None:
+        return None
+    return {"attr": spec.attr, "projections": [[attr, list(segments)] for attr, segments in spec.projections],
+            "conv": spec.conv, "conv_segments": list(spec.conv_segments), "head_params": list(spec.head_params),
+            "output": spec.output, "local_sizes": list(spec.local_sizes)}
 
 
 #: what a derived row never inherits: its releases, fixtures, relatives, examples and measurements are its own
@@ -465,7 +508,7 @@ _FIRST_SEVEN: dict[str, Family] = {
         bench_label="Qwen3-30B-A3B-like",
         known_good=("4.51.3", "4.54.1", "4.55.4", "4.57.6", "5.0.0", "5.24.0"),
         stock_autotp=StockAutoTP(allreduces=3, experts=1.0),
-        relatives=("qwen3_next", "qwen3_omni_moe"),
+        relatives=("qwen3_omni_moe",),
         layers=MoELayers(dense_list="mlp_only_layers", sparse_step="decoder_sparse_step"),
         examples=Examples(
             tiny=dict(
@@ -640,6 +683,17 @@ _TINY_V3_MOE = dict(intermediate_size=128, moe_intermediate_size=32, n_routed_ex
                     num_experts_per_tok=2, n_group=1, topk_group=1)
 #: a tiny image's placeholder and delimiter tokens: the last ids of the tiny vocabulary
 _TINY_IMAGE_TOKENS = dict(image_token_id=250, vision_start_token_id=251, vision_end_token_id=252)
+
+#: the gated delta-net attribute of the Qwen hybrids' decoder layers, and the head counts of their linear attention
+_QWEN_LINEAR_ATTN = "linear_attn"
+_LINEAR_HEAD_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+_QWEN_HYBRID_TP = ("num_attention_heads", "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads",
+                   "moe_intermediate_size", "shared_expert_intermediate_size")
+#: a tiny Qwen hybrid: a linear-attention layer, then a full-attention one; 2 value heads per key head
+_TINY_QWEN_HYBRID = dict(head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=8,
+                         num_experts_per_tok=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                         linear_num_key_heads=4, linear_num_value_heads=8, linear_conv_kernel_dim=4,
+                         layer_types=["linear_attention", "full_attention"])
 
 _V3 = _FIRST_SEVEN["deepseek_v3"]
 _GLM = _FIRST_SEVEN["glm4_moe"]
@@ -1047,7 +1101,90 @@ FAMILIES: dict[str, Family] = {
             wrapper=dict(_TINY_IMAGE_TOKENS, projection_hidden_size=32),
         ),
     ),
+    "qwen3_next": _like(
+        _FIRST_SEVEN["qwen2_moe"],
+        model_type="qwen3_next",
+        builtin_module="transformers.models.qwen3_next.modeling_qwen3_next",
+        config_class="Qwen3NextConfig",
+        moe_classes=("Qwen3NextSparseMoeBlock",),
+        auto_classes={"AutoModelForCausalLM": "Qwen3NextForCausalLM", "AutoModel": "Qwen3NextModel"},
+        positive_int_keys=(*_COMMON_SIZES, "num_experts", "head_dim", *_LINEAR_HEAD_KEYS),
+        tp_divisible_keys=(*_QWEN_HYBRID_TP, "intermediate_size"),
+        attention_attrs=("self_attn", _QWEN_LINEAR_ATTN),
+        # in_proj_qkvz rows: per key head [q, k, v (its value heads), z (its value heads)]; in_proj_ba: [b, a]
+        linear_attention=LinearAttention(attr=_QWEN_LINEAR_ATTN, projections=(("in_proj_qkvz", ()),
+                                                                              ("in_proj_ba", ()))),
+        known_good=("4.57.1", "4.57.6", "5.0.0", "5.24.0"),
+        examples=Examples(tiny=dict(_TINY, **_TINY_QWEN_HYBRID, intermediate_size=128)),
+        stock_autotp=StockAutoTP(crash="RuntimeError: shape",
+                                 why="in_proj_qkvz cut in row halves across its per-key-head q/k/v/z groups"),
+    ),
+    "qwen3_5_moe": Family(
+        model_type="qwen3_5_moe",
+        builtin_module="transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
+        config_class="Qwen3_5MoeConfig",
+        moe_classes=("Qwen3_5MoeSparseMoeBlock",),
+        experts_attr="experts",
+        per_expert=PerExpertMLP(),
+        fused=FusedExperts(),
+        shared_experts=("shared_expert",),
+        routers=("gate", "shared_expert_gate"),
+        anchor=ANCHOR_SHARED_SUM,
+        pretrained_class_suffix="PreTrainedModel",
+        auto_classes={"AutoModelForImageTextToText": "Qwen3_5MoeForConditionalGeneration",
+                      "AutoModelForCausalLM": "Qwen3_5MoeForCausalLM", "AutoModel": "Qwen3_5MoeModel"},
+        num_experts_keys=("num_experts",),
+        top_k_keys=("num_experts_per_tok",),
+        positive_int_keys=(*_COMMON_SIZES, "num_experts", "head_dim", *_LINEAR_HEAD_KEYS),
+        tp_divisible_keys=_QWEN_HYBRID_TP,
+        attention_attrs=("self_attn", _QWEN_LINEAR_ATTN),
+        # in_proj_qkv rows: [q (key heads) | k (key heads) | v (value heads)]; z, b, a: per value head
+        linear_attention=LinearAttention(attr=_QWEN_LINEAR_ATTN, projections=(
+            ("in_proj_qkv", ("key_dim", "key_dim", "value_dim")), ("in_proj_z", ()), ("in_proj_b", ()),
+            ("in_proj_a", ()))),
+        known_good=("5.2.0", "5.24.0"),
+        # every decoder layer holds an MoE block
+        layers=MoELayers(),
+        wrapper=Wrapper(replicated=("visual",), text_model="Qwen3_5MoeTextModel", image_input=IMAGE_FLAT_PATCHES,
+                        image_start_key="vision_start_token_id", image_end_key="vision_end_token_id",
+                        token_types=True, causal_lm="Qwen3_5MoeForCausalLM"),
+        examples=Examples(
+            tiny=dict(_TINY, **_TINY_QWEN_HYBRID),
+            vision=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                        num_position_embeddings=16, patch_size=8),
+            wrapper=dict(_TINY_IMAGE_TOKENS),
+        ),
+        stock_autotp=StockAutoTP(crash="RuntimeError: The size of tensor a",
+                                 why="the linear attention's heads are cut but its head counts and conv stay whole",
+                                 image_crash="RuntimeError: The size of tensor a"),
+    ),
 }
+
+# text-only Qwen3.5 MoE checkpoints (the wrapper's decoder saved alone): the same module, no vision tower
+FAMILIES["qwen3_5_moe_text"] = _like(
+    FAMILIES["qwen3_5_moe"],
+    model_type="qwen3_5_moe_text",
+    config_class="Qwen3_5MoeTextConfig",
+    auto_classes={"AutoModelForCausalLM": "Qwen3_5MoeForCausalLM", "AutoModel": "Qwen3_5MoeTextModel"},
+    wrapper=None,
+    bench_label="Qwen3.5-35B-A3B-like",
+    known_good=("5.2.0", "5.24.0"),
+    examples=Examples(
+        tiny=dict(_TINY, **_TINY_QWEN_HYBRID),
+        # the bench's: 2 layers, one linear-attention then one full-attention (the published model has 3 of the
+        # first per 1 of the second)
+        toy=dict(vocab_size=4096, hidden_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                 head_dim=64, linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=32,
+                 linear_value_head_dim=32, linear_conv_kernel_dim=4, num_experts=64, num_experts_per_tok=8,
+                 moe_intermediate_size=128, shared_expert_intermediate_size=128, max_position_embeddings=1024,
+                 layer_types=["linear_attention", "full_attention"], tie_word_embeddings=False),
+        published="qwen3.5-35b-a3b.json",
+        # 2 kv heads, as published: tp 2 only at full widths
+        full_overrides=dict(layer_types=["linear_attention", "full_attention"], max_position_embeddings=1024),
+    ),
+    stock_autotp=StockAutoTP(crash="RuntimeError: The size of tensor a",
+                             why="the linear attention's heads are cut but its head counts and conv stay whole"),
+)
 
 #: model types that are another family's architecture under another name
 ALIASES: dict[str, Alias] = {
@@ -1070,16 +1207,36 @@ class Unsupported:
 
 
 _ROW = "a row of existing kinds, not verified yet"
-_HYBRID = "hybrid linear-attention / SSM layers: needs a kind that shards them (not yet)"
+#: a hybrid whose gated delta-net is Qwen3.5-MoE's: the linear-attention kind covers it as data (a row, unverified)
+_GDN_AS_DATA = "Qwen3.5's gated delta-net: the linear-attention kind covers it as data, a row not verified yet"
 UNSUPPORTED: dict[str, Unsupported] = {
     **{t: Unsupported(NOT_YET, _ROW) for t in (
         "kolibri1", "mellum", "flint", "beam", "cohere2_moe",
         "hy_v3", "axk1", "axk2", "laguna")},
     "granitemoe": Unsupported(NOT_YET, "4.x experts are GraniteMoeParallelExperts (3-D input_linear/output_linear "
                                        "weights) reduced after output_linear: needs an expert layout kind and anchor"),
-    **{t: Unsupported(NOT_YET, _HYBRID) for t in (
-        "qwen3_next", "qwen3_5_moe", "qwen4_exp", "glm5_next", "jamba", "granitemoehybrid", "nemotron_h", "kimi_linear",
-        "bailing_hybrid", "lfm2_moe", "minimax", "lara_mini", "inkling", "inkling2", "inkling2_loop", "zaya")},
+    # the other hybrids (survey of their 5.24 sources): which the linear-attention kind covers, which need another
+    "lara_mini": Unsupported(NOT_YET, _GDN_AS_DATA),
+    "qwen4_exp": Unsupported(NOT_YET, f"{_GDN_AS_DATA}; its hyper-connections, per-layer n-gram embeddings and "
+                                      "attention indexer are not verified yet"),
+    **{t: Unsupported(NOT_YET, "Kimi delta attention: the linear-attention kind once it tells the mixer from the "
+                               "MLA layers under the same attribute and takes nested Parameters (forget gate)")
+       for t in ("kimi_linear", "glm5_next", "bailing_hybrid")},
+    "nemotron_h": Unsupported(NOT_YET, "Mamba-2 mixer: the linear-attention kind with segment widths per group "
+                                       "(n_groups divisible by tp) and its group norm cut; non-gated latent experts "
+                                       "need an expert layout kind"),
+    "lfm2_moe": Unsupported(NOT_YET, "short-conv mixer: exact split by channel, the linear-attention kind with "
+                                     "segment widths from the config"),
+    "jamba": Unsupported(NOT_YET, "Mamba-1 mixer: x_proj reads every channel, so it needs a kind with one more "
+                                  "reduction per mixer"),
+    "granitemoehybrid": Unsupported(NOT_YET, "Mamba-2 with one group (B/C replicated) and a norm over all heads, and "
+                                             "the shared MLP added in the decoder layer: needs another kind"),
+    "minimax": Unsupported(NOT_YET, "lightning attention: a norm over all heads and per-head decay buffers from the "
+                                    "global head count: needs another kind"),
+    **{t: Unsupported(NOT_YET, "attention with per-head short convolutions and nested projections: needs an "
+                               "attention kind") for t in ("inkling", "inkling2", "inkling2_loop")},
+    "zaya": Unsupported(NOT_YET, "CCA attention (grouped conv, key residual averaged over a group's query heads): "
+                                 "needs its own kind, exact only up to tp = num_key_value_heads"),
     **{t: Unsupported(NOT_YET, "a multimodal wrapper over a text MoE, not verified yet") for t in (
         "aria", "llama4", "ernie4_5_vl_moe", "qwen3_omni_moe", "hy_v4_vl", "minimax_m3_vl", "mistral_large4",
         "muse_spark", "deepseek_ocr2", "unlimited_ocr", "dots3_note", "nemotron_h_omni")},

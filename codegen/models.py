@@ -1,7 +1,8 @@
 """Loading a model dir with the installed transformers, the one way the harness and `serve` do it.
 
-The auto class is the one the dir's config names (its `auto_map`, else its model type's mapping): the causal-LM
-class where there is one, else the image-text-to-text class of a multimodal wrapper. The dtype keyword is the
+The auto class is the one the dir's config names (its `auto_map`, else its model type's mapping) for the class the
+checkpoint was saved from (`architectures`), else the causal-LM class where there is one, else the
+image-text-to-text class of a multimodal wrapper. The dtype keyword is the
 installed release's (`dtype` from 4.56, `torch_dtype` before). The dir's generated policy is imported as a module.
 """
 
@@ -49,11 +50,21 @@ def auto_class(directory: str | Path):
     auto_map = config.get("auto_map") or {}
     mappings = {"AutoModelForCausalLM": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
                 "AutoModelForImageTextToText": "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"}
+    classes = {}  # auto class -> the model class it loads for this dir
     for name in AUTO_CLASSES:
-        names = getattr(modeling_auto, mappings[name], {})
-        if name in auto_map or (not auto_map and config.get("model_type") in names):
+        if auto_map:
+            found = auto_map.get(name)
+            found = found.rsplit(".", 1)[-1] if isinstance(found, str) else None
+        else:
+            found = getattr(modeling_auto, mappings[name], {}).get(config.get("model_type"))
+        if found:
+            classes[name] = found
+    # the class the checkpoint was saved from (a multimodal checkpoint that also loads text-only: the whole model)
+    saved = (config.get("architectures") or [None])[0]
+    for name, found in classes.items():
+        if found == saved:
             return getattr(transformers, name)
-    return transformers.AutoModelForCausalLM
+    return getattr(transformers, next(iter(classes), "AutoModelForCausalLM"))
 
 
 def load(directory: str | Path, remote: bool, dtype, **extra):

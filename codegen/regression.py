@@ -52,11 +52,11 @@ RELEASES: dict[str, str] = {
     "4.54.1": "c89965a4f62a0d07009d45927a9c6372848a02ab9ead9c318c3d082708bab529",  # the patch release deepseek_v2 and glm4_moe users took
     "4.55.4": "df28f3849665faba4af5106f0db4510323277c4bb595055340544f7e59d06458",  # first with gpt_oss
     "4.56.0": "bacf539c38dd850690856881c4974321af93a22f2ee96bcc994741a2121d8e71",  # first with hunyuan_v1_moe, glm4v_moe
-    "4.57.1": "b10d05da8fa67dc41644dbbf9bc45a44cb86ae33da6f9295f5fbf5b7890bd267",  # first listed with qwen3_vl_moe (4.57.0 is yanked)
+    "4.57.1": "b10d05da8fa67dc41644dbbf9bc45a44cb86ae33da6f9295f5fbf5b7890bd267",  # first listed with qwen3_vl_moe, qwen3_next (4.57.0 is yanked)
     "4.57.6": "4c9e9de11333ddfe5114bc872c9f370509198acf0b87a832a0ab9458e2bd0550",
     "5.0.0": "587086f249ce64c817213cf36afdb318d087f790723e9b3d4500b97832afd52d",  # first with glm4_moe_lite, minimax_m2, solar_open
     "5.1.0": "de534b50c9b2ce6217fc56421075a1734241fb40704fdc90f50f6a08fc533d59",  # first with exaone_moe
-    "5.2.0": "9ecaf243dc45bee11a7d93f8caf03746accc0cb069181bbf4ad8566c53e854b4",  # first with glm_moe_dsa
+    "5.2.0": "9ecaf243dc45bee11a7d93f8caf03746accc0cb069181bbf4ad8566c53e854b4",  # first with glm_moe_dsa, qwen3_5_moe
     "5.4.0": "9fbe50602d2a4e6d0aa8a35a605433dfac72d595ee2192eae192590a6cc2df86",  # first with mistral4
     "5.11.0": "06d0a34eab529955f8e704b530663c7d6bd6f9c7a9e47a05cddb4a44e7b6566b",  # first with deepseek_v32
     "5.13.0": "8adbc1d20bd5463cd6876b2eb7cb31971e1065788e7dc6bc12bab597a7c504b7",  # first with mimo_v2_flash, kimi_k25

@@ -47,6 +47,11 @@ def _rules(family: Family) -> str:
         parts.append(f"{_code(family.attention_head_params)} split by head")
     if family.full_width_norms:
         parts.append(f"full-width {_code(n for n, _ in family.full_width_norms)}: projections whole, own heads kept")
+    if family.linear_attention is not None:
+        mixer = family.linear_attention
+        parts.append(f"linear attention `{mixer.attr}` ({_code(a for a, _ in mixer.projections)}, "
+                     f"`{mixer.conv}`, {_code(mixer.head_params)}) sharded by key-head groups, `{mixer.output}` "
+                     "reduced once")
     if family.deepspeed_name_clashes:
         parts.append(f"class names hidden from AutoTP's {_code(family.deepspeed_name_clashes)} special case")
     if family.wrapper is not None:

@@ -172,3 +172,37 @@ def test_an_alias_patches_as_its_family_keeps_its_model_type_and_needs_its_remot
     message = str(info.value)
     assert "\n" not in message and "has no auto_map" in message and "modeling_deepseek.py" in message
     assert tree_digest(bare) == before
+
+
+def test_a_multimodal_dir_also_loads_text_only_as_the_builtin_class_does(make_dir):
+    """`AutoModelForCausalLM` on a multimodal checkpoint (as transformers maps Qwen3.5-MoE; the families of the
+    installed release whose wrapper names a text-only class): the patched text-only class takes the checkpoint's
+    text config, loads every tensor of the decoder, gives the built-in class's logits, and keeps the knob `patch`
+    wrote (the policy reads it from this class's config)."""
+    import transformers
+    from packaging.version import Version
+
+    kinds = [f for f in FAMILIES if TABLE[f].wrapper is not None and TABLE[f].wrapper.causal_lm]
+    assert bool(kinds) == (Version(transformers.__version__) >= Version("5.2"))  # Qwen3.5-MoE from 5.2
+    for kind in kinds:
+        _loads_text_only(make_dir, kind)
+
+
+def _loads_text_only(make_dir, kind: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from codegen.families import KNOB
+
+    pristine = make_dir(kind, "pristine")
+    patched = make_dir(kind, "patched")
+    api.patch(patched)
+    kwargs = {dtype_keyword(): torch.float32, "output_loading_info": True}
+    reference, _ = AutoModelForCausalLM.from_pretrained(pristine, **kwargs)
+    model, info = AutoModelForCausalLM.from_pretrained(patched, trust_remote_code=True, **kwargs)
+    assert type(model).__name__ == TABLE[kind].wrapper.causal_lm == type(reference).__name__
+    assert "transformers_modules" in type(model).__module__
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info.get("mismatched_keys")
+    assert getattr(model.config, KNOB) is True and not hasattr(reference.config, KNOB)
+    ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (model.eval()(ids).logits - reference.eval()(ids).logits).abs().max().item() == 0.0

@@ -1148,3 +1148,126 @@ def test_a_part_importing_a_name_no_earlier_part_defines_is_refused(monkeypatch)
             assemble.runtime_text()
     finally:
         assemble.runtime_text.cache_clear()
+
+
+# ------------------------------------------------------------------------------------------- linear attention
+
+
+def _gated_delta_net(family: str):
+    """The family's real linear-attention module (transformers' own class, its tiny example's config), random."""
+    import importlib
+
+    from codegen.harness.examples import example_config
+
+    row = FAMILIES[family]
+    config = example_config(family)
+    config = getattr(config, "text_config", config)
+    module = importlib.import_module(row.builtin_module)
+    layer = next(i for i, kind in enumerate(config.layer_types) if kind == "linear_attention")
+    decoder = getattr(module, next(n for n in dir(module) if n.endswith("DecoderLayer")))(config, layer)
+    mixer = getattr(decoder, row.linear_attention.attr)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.normal_(0, 0.2)
+    return decoder, mixer
+
+
+class _Collect:
+    """Stands in for the group all-reduce: records each partial sum, returns it unchanged."""
+
+    def __init__(self):
+        self.partials = []
+
+    def __call__(self, tensor):
+        self.partials.append(tensor)
+        return tensor
+
+
+def _hybrids() -> list[str]:
+    from codegen.harness.examples import installed_families
+
+    return [f for f in installed_families() if FAMILIES[f].linear_attention is not None]
+
+
+@pytest.mark.parametrize("family", _hybrids())
+@pytest.mark.parametrize("world", [2, 4])
+def test_linear_attention_sharded_by_heads_sums_to_the_whole_layer(family, world):
+    """Each rank's copy keeps its key heads (and their value heads) of every tensor; the ranks' out_proj partial
+    sums add up to the unsharded layer's output, and each issued exactly one reduction."""
+    decoder, mixer = _gated_delta_net(family)
+    layout = FAMILIES[family].policy_layout()
+    x = torch.randn(2, 7, mixer.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        whole = mixer(x)
+    total = torch.zeros_like(whole)
+    for rank in range(world):
+        copy_ = copy.deepcopy(decoder)
+        (found,) = rt.linear_attention_modules(copy_, layout)
+        collect = _Collect()
+        rt.shard_linear_attention([found], layout, rank, world, collect)
+        own = found[2]
+        assert own.num_k_heads * world == mixer.num_k_heads and own.num_v_heads * world == mixer.num_v_heads
+        assert own.conv1d.weight.shape[0] * world == mixer.conv1d.weight.shape[0] == own.conv1d.groups * world
+        assert own.out_proj.weight.shape[1] * world == mixer.out_proj.weight.shape[1]
+        for name in getattr(own, rt.SHARDED_TENSORS):
+            param = own.get_parameter(name)
+            assert isinstance(param, nn.Parameter) and param.numel() * world == mixer.get_parameter(name).numel()
+        with torch.no_grad():
+            out = own(x)
+        assert len(collect.partials) == 1 and collect.partials[0] is out
+        total += out
+    assert (total - whole).abs().max().item() < 1e-5
+
+
+def test_linear_attention_a_size_the_ranks_cannot_split_is_one_line():
+    decoder, mixer = _gated_delta_net("qwen3_next")
+    layout = FAMILIES["qwen3_next"].policy_layout()
+    found = rt.linear_attention_modules(decoder, layout)
+    with pytest.raises(rt.PolicyError) as info:
+        rt.shard_linear_attention(found, layout, 0, 3, _Collect())
+    assert "does not split over 3 ranks" in _one_line(info)
+
+
+def test_linear_attention_segments_that_do_not_cover_a_projection_are_one_line():
+    decoder, mixer = _gated_delta_net("qwen3_next")
+    layout = FAMILIES["qwen3_next"].policy_layout()
+    spec = copy.deepcopy(layout["linear_attention"])
+    spec["projections"][0][1] = ["key_dim", "value_dim"]  # the q|k|v|z groups named as two segments
+    found = rt.linear_attention_modules(decoder, {"linear_attention": spec})
+    with pytest.raises(rt.PolicyError) as info:
+        rt.shard_linear_attention(found, {"linear_attention": spec}, 0, 2, _Collect())
+    assert "in_proj_qkvz" in _one_line(info) and "re-run patch" in _one_line(info)
+
+
+def test_deepspeeds_parse_covers_every_kind_of_hybrid_layer():
+    """DeepSpeed's parser reads the first layer of a class only; a hybrid's full-attention layer (not first) gets
+    its `o_proj` named a row layer by the united parse."""
+
+    class Layer(nn.Module):
+        def __init__(self, full):
+            super().__init__()
+            if full:
+                self.self_attn = nn.Module()
+                self.self_attn.o_proj = nn.Linear(4, 4)
+            else:
+                self.mixer = nn.Linear(4, 4)
+            self.mlp = nn.Module()
+            self.mlp.down_proj = nn.Linear(4, 4)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Layer(False), Layer(True), Layer(False)])
+
+    class FirstOnly:  # DeepSpeed's way: the first layer of each class, its linears named `*_proj`
+        @staticmethod
+        def tp_parser(model):
+            first = next(iter(model.layers))
+            return [(type(first), [f".{n}" for n, m in first.named_modules() if n.endswith(("o_proj", "down_proj"))])]
+
+    model = Model()
+    order = list(model.layers._modules)
+    fixed = rt.row_layer_policy(model, [], {"experts": "experts", "per_expert": {"down": "down_proj"}}, FirstOnly)
+    assert fixed == {Layer: (".mlp.down_proj", ".self_attn.o_proj")}
+    assert list(model.layers._modules) == order  # the layers are back in their order

@@ -112,6 +112,47 @@ def test_world4_backward_and_no_policy(four_ranks):
         assert r["allreduce_per_forward"] == 0
 
 
+# ------------------------------------------------------------------ hybrid linear attention on 4 ranks
+
+#: the hybrids' tiny examples with 4 kv heads, so tp 4 divides every head count (linear attention: 4 key heads,
+#: 8 value heads); (family, tp) per launch of 4 ranks: both projection layouts, tp 4 and two groups of tp 2
+HYBRID_RUNS = [("qwen3_5_moe_text", 4), ("qwen3_next", 2)]
+
+
+@pytest.fixture(scope="module", params=HYBRID_RUNS, ids=[f"{f}-tp{tp}" for f, tp in HYBRID_RUNS])
+def hybrid_four_ranks(request, tmp_path_factory):
+    from codegen.harness.examples import build_example
+    from codegen.harness.launcher import run_phases
+
+    family, tp = request.param
+    base = tmp_path_factory.mktemp(f"hybrid-{family}")
+    pristine = build_example(family, base / "pristine", overrides={"num_key_value_heads": 4})
+    directory = build_example(family, base / family, overrides={"num_key_value_heads": 4})
+    _patch(directory)
+    return tp, run_phases(directory, pristine, ["codegen"], tp=tp, world=4, timeout=900,
+                          options={"generate": 8, "decode_check": 8, "tp_grain_size": 16})["codegen"]
+
+
+def test_hybrid_on_four_ranks_matches_one_process_through_8_decode_steps(hybrid_four_ranks):
+    """Logits of the prefill and of 8 decode steps with the cache (conv and recurrent states per rank and per local
+    head) within 1e-5 of one process; greedy tokens identical; one all-reduce per attention layer of either kind,
+    per MoE layer and for the LM head; each rank 1/tp of the routed experts and of every sharded layer."""
+    tp, ranks = hybrid_four_ranks
+    for r in ranks:
+        assert (r["world_size"], r["tp_group_size"]) == (4, tp)
+        assert r["maxdiff"] <= TOL and r["decode_checked"] == 8 and r["decode_maxdiff"] <= TOL
+        assert r["same_tokens"] is True
+        assert r["allreduce_per_attention_block"] == [1, 1] and r["allreduce_per_moe_block"] == [1, 1]
+        assert r["allreduce_lm_head"] == 1 and r["allreduce_per_forward"] == 5
+        assert r["bytes"]["experts"] * tp == r["full_bytes"]["experts"] > 0
+        assert r["sharded_bytes"] * tp == r["sharded_full_bytes"] > 0
+        assert any(".linear_attn.in_proj" in name for name in r["sharded_shapes"])
+        assert r["sharded_unregistered"] == [] and r["full_size_copies_alive"] == 0
+        assert r["gates_intact"] is True
+        own = [r["rank"] // tp * tp + k for k in range(tp)]
+        assert r["tp_group_ranks"] == [own]
+
+
 # ----------------------------------------------------------------------------------- the launcher's failures
 
 
@@ -151,6 +192,21 @@ def test_tp_size_not_dividing_the_heads(make_dir):
     model = load(str(directory), True, torch.float32)
     message = _one_line_policy_error(_policy(directory), model, 3)
     assert message == "tp_size 3 does not divide num_attention_heads = 4: pick a tp_size that divides it"
+
+
+def test_tp_size_not_dividing_the_linear_attention_heads(tmp_path):
+    """The head counts of both attention kinds are checked (value heads are a multiple of key heads, so the key
+    heads decide): 3 key heads at tp 2 is one line, before any distributed call."""
+    import torch
+
+    from codegen.harness.examples import build_example
+    from codegen.models import load
+
+    heads = {"linear_num_key_heads": 3, "linear_num_value_heads": 6}
+    directory = _patch(build_example("qwen3_next", tmp_path / "qwen3_next", overrides=heads))
+    model = load(str(directory), True, torch.float32)
+    message = _one_line_policy_error(_policy(directory), model, 2)
+    assert message == "tp_size 2 does not divide linear_num_key_heads = 3: pick a tp_size that divides it"
 
 
 def test_tp_size_not_dividing_the_expert_intermediate_size(make_dir):

@@ -75,6 +75,9 @@ def phase_problems(phases: dict, tolerance: float | None = TOLERANCE) -> list[st
                          "(must be identical, none)")
         if not r.get("same_tokens", True):
             found.append(f"rank {r['rank']}: without a TP policy greedy tokens differ from the unpatched model")
+        if r.get("decode_maxdiff", 0.0) != 0.0:
+            found.append(f"rank {r['rank']}: without a TP policy decode steps with the cache differ from the "
+                         f"unpatched model by {r['decode_maxdiff']:.2e} (must be identical)")
     return found
 
 
@@ -85,6 +88,9 @@ def _codegen_problems(r: dict, tolerance: float | None) -> list[str]:
         found.append(f"logits differ by {r['maxdiff']:.2e} > {tolerance:g}")
     if not r.get("same_tokens", True):
         found.append("greedy tokens differ from the single-process model")
+    if "decode_maxdiff" in r and not within_tolerance(r["decode_maxdiff"], tolerance):
+        found.append(f"logits of {r['decode_checked']} decode steps with the cache differ by "
+                     f"{r['decode_maxdiff']:.2e} > {tolerance:g}")
     expected = expected_allreduces(r)
     if r["allreduce_per_forward"] != expected:
         found.append(f"{r['allreduce_per_forward']} all-reduces per forward, expected {expected} ({breakdown(r)})")

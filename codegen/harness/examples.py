@@ -70,14 +70,16 @@ def installed_families() -> tuple[str, ...]:
                  if builtin_source_path(family) is not None and builtin_source_path(family.text_family) is not None)
 
 
-def example_config(family: str, size: str = "tiny"):
-    """The transformers config of `family`'s example of `size`: the text model's config, or for a multimodal
-    wrapper the wrapper's, built around its text config, its tiny vision tower and its own keys."""
+def example_config(family: str, size: str = "tiny", overrides: dict | None = None):
+    """The transformers config of `family`'s example of `size` (its text sizes changed by `overrides`): the text
+    model's config, or for a multimodal wrapper the wrapper's, built around its text config, its tiny vision tower
+    and its own keys."""
     import transformers
 
     values = shape(family, size)
     if values is None:
         raise ValueError(f"{family} has no {size} example")
+    values.update(overrides or {})
     row = FAMILIES[family]
     if row.wrapper is None:
         return getattr(transformers, row.config_class)(**values)
@@ -103,8 +105,10 @@ def model_class(family: str):
     return getattr(transformers, next(iter(FAMILIES[family].auto_classes)))
 
 
-def build_example(family: str, out_dir: Path, size: str = "tiny", seed: int = 0, dtype: str = "float32") -> Path:
-    """A random checkpoint saved with `save_pretrained` (hub format: per-expert weights).
+def build_example(family: str, out_dir: Path, size: str = "tiny", seed: int = 0, dtype: str = "float32",
+                  overrides: dict | None = None) -> Path:
+    """A random checkpoint saved with `save_pretrained` (hub format: per-expert weights); `overrides` changes sizes
+    of the example (e.g. more kv heads, for a tensor-parallel size that must divide them).
 
     Weights are drawn in float32 (seeded) whatever `dtype` is, then cast in place one Parameter at a time:
     a bfloat16 example holds the float32 example's weights rounded, and the build never holds two copies.
@@ -113,7 +117,7 @@ def build_example(family: str, out_dir: Path, size: str = "tiny", seed: int = 0,
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    config = example_config(family, size)
+    config = example_config(family, size, overrides)
     torch.manual_seed(seed)
     model = model_class(family).from_config(config)
     with torch.no_grad():

@@ -109,6 +109,9 @@ def format_report(model_dir: Path, record: dict) -> str:
     if "same_tokens" in first:
         lines.append(f"  greedy {GENERATE} tokens: {'identical' if first['same_tokens'] else 'DIFFERENT'}; "
                      f"routers {'replicated, unchanged' if first['gates_intact'] else 'CHANGED'}")
+    if "decode_maxdiff" in first:
+        lines.append(f"  prefill + {first['decode_checked']} decode steps with the cache: max|dlog| "
+                     f"{max(r['decode_maxdiff'] for r in report['codegen']):.2e}")
     image = first.get("image")
     if image is not None:
         stock = (report.get("stock") or [{}])[0].get("image")

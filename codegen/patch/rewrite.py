@@ -22,7 +22,8 @@ from codegen.render import render
 from codegen.patch.safety import check_only_intended_changes
 from codegen.patch.target import RewriteTarget
 from codegen.patch.transforms import AUTO_FROM_CONFIG, VERSION_GUARD, AbsolutizeImports, AddModuleBlock, \
-    BuildTextModelHere, DeclareNativeLoading, InsertCoalescedReduction, InsertVersionGuard, WrapReturnedValue
+    BuildTextModelHere, DeclareNativeLoading, InsertCoalescedReduction, InsertVersionGuard, TakeTextConfig, \
+    WrapReturnedValue
 from codegen.policy.runtime.base import PATCH_MARKER, REDUCE_HELPER, REDUCER_ATTR
 
 #: the comment above the reduction (a block with a shared expert; `ROUTED_REDUCTION_COMMENT` without one)
@@ -81,7 +82,7 @@ def _rewrite(text: str, target: RewriteTarget, helper_block: str, version_guard:
         patched = patched.visit(edit(moe_class, forward, anchor, comment))
         found = (class_name, anchor)
     built = _build_text_model_here(patched, target)
-    patched = built.module
+    patched = _take_text_config(built.module, target)
     imports = AbsolutizeImports(target.package, target.shipped_modules)
     patched = patched.visit(imports)
     if fused:
@@ -121,6 +122,20 @@ def _build_text_model_here(module: cst.Module, target: RewriteTarget) -> _Built:
             f"would not run; known to work: {', '.join(target.family.known_good)}"
         )
     return _Built(patched, build.redirected)
+
+
+def _take_text_config(module: cst.Module, target: RewriteTarget) -> cst.Module:
+    """A wrapper's text-only causal LM (in the module holding the MoE blocks) takes the text config it is loaded with."""
+    wrapper = target.family.wrapper
+    if wrapper is None or not wrapper.causal_lm or not target.moe_block:
+        return module
+    take = TakeTextConfig(wrapper.causal_lm)
+    patched = module.visit(take)
+    if take.added != 1:
+        raise BadSource(f"{target.display_name} has no class {wrapper.causal_lm} without its own from_pretrained: "
+                        f"codegen cannot make it load the checkpoint's text config; known to work: "
+                        f"{', '.join(target.family.known_good)}")
+    return patched
 
 
 def render_helper_block(family: Family, restore: dict | None = None, text_import: str | None = None) -> str:

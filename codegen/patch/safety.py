@@ -1,8 +1,9 @@
 """The black-style safety check: on the ASTs, the rewrite changed only what it meant to, before anything is written.
 
 The patched source, with codegen's own statements removed (the helper block, the marker, the reductions, the
-native-loading override, the version guard) and every wrapped expression unwrapped, must equal the original
-with its relative imports made absolute. Anything else is a codegen bug: one line, nothing written.
+native-loading override, the text-config override, the version guard) and every wrapped expression unwrapped,
+must equal the original with its relative imports made absolute. Anything else is a codegen bug: one line,
+nothing written.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from libcst.helpers import get_absolute_module_from_package
 from codegen.errors import BadSource
 from codegen.families import TEXT_CONFIG
 from codegen.patch.target import RewriteTarget
-from codegen.patch.transforms import AUTO_FROM_CONFIG, CLASS_FROM_CONFIG, NATIVE_LOADING_METHOD, VERSION_GUARD
+from codegen.patch.transforms import AUTO_FROM_CONFIG, CLASS_FROM_CONFIG, NATIVE_LOADING_METHOD, TEXT_CONFIG_LOADER, \
+    VERSION_GUARD
 from codegen.policy.runtime.base import PATCH_MARKER, REDUCE_HELPER
 
 
@@ -30,6 +32,9 @@ def check_only_intended_changes(original: str, patched: str, target: RewriteTarg
 
 
 def _strip_codegen(tree: ast.Module, target: RewriteTarget) -> ast.Module:
+    wrapper = target.family.wrapper
+    causal_lm = wrapper.causal_lm if wrapper is not None and target.moe_block else ""
+
     class Strip(ast.NodeTransformer):
         def generic_visit(self, node):
             super().generic_visit(node)
@@ -37,6 +42,9 @@ def _strip_codegen(tree: ast.Module, target: RewriteTarget) -> ast.Module:
                 stmts = getattr(node, attr, None)
                 if isinstance(stmts, list):
                     setattr(node, attr, [s for s in stmts if not _is_codegen_stmt(s, target)])
+            if isinstance(node, ast.ClassDef) and causal_lm and node.name == causal_lm:  # TakeTextConfig's override
+                node.body = [s for s in node.body if not (isinstance(s, ast.FunctionDef)
+                                                          and s.name == TEXT_CONFIG_LOADER)]
             return node
 
     return Strip().visit(tree)

@@ -8,6 +8,8 @@
 - `AbsolutizeImports`: relative imports become `transformers.` imports, so the file loads as remote code;
 - `DeclareNativeLoading`: for transformers 5.x sources (fused 3-D experts), the override that keeps
   transformers' checkpoint conversion mapping;
+- `TakeTextConfig`: a wrapper's text-only causal LM takes the text config of the multimodal checkpoint it is loaded
+  from, as the auto class gives the built-in class;
 - `AddModuleBlock`: the generated helper block after the module's leading imports;
 - `InsertVersionGuard`: for transformers' own sources, the release guard before everything but the docstring
   and `from __future__` imports.
@@ -19,6 +21,7 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.helpers import get_absolute_module_from_package, get_full_name_for_node
 
+from codegen.families import KNOB
 from codegen.patch.anchors import Anchor
 from codegen.policy.runtime.base import REDUCE_HELPER
 
@@ -187,6 +190,49 @@ class DeclareNativeLoading(cst.CSTTransformer):
         # a class body of only `...`/docstring keeps it; the method goes last so the diff stays small
         body = [*updated_node.body.body, method]
         return updated_node.with_changes(body=updated_node.body.with_changes(body=body))
+
+
+#: the class method `TakeTextConfig` adds to a wrapper's text-only causal LM
+TEXT_CONFIG_LOADER = "from_pretrained"
+
+
+class TakeTextConfig(cst.CSTTransformer):
+    """Loaded through `auto_map` from a multimodal checkpoint, the text-only causal LM is handed the wrapper's whole
+    config (transformers' auto class swaps in the text config for built-in classes only): the patched class takes
+    it itself, so `AutoModelForCausalLM` loads the checkpoint as it loads it into the built-in class.
+    `added` counts the classes given the override (the rewrite requires one)."""
+
+    METHOD = (
+        "@classmethod\n"
+        f"def {TEXT_CONFIG_LOADER}(cls, *args, config=None, **kwargs):\n"
+        "    # codegen: loaded through `auto_map` from a multimodal checkpoint, this text-only class gets the whole\n"
+        "    # config; transformers' auto class hands the built-in class its text config: the same here.\n"
+        "    if config is not None and not isinstance(config, cls.config_class) and hasattr(config, \"get_text_config\"):\n"
+        "        text = config.get_text_config()\n"
+        "        # the knob `patch` wrote is the whole config's: the policy reads it from this class's config\n"
+        f"        text.{KNOB} = getattr(config, \"{KNOB}\", False)\n"
+        "        config = text\n"
+        f"    return super().{TEXT_CONFIG_LOADER}(*args, config=config, **kwargs)\n"
+    )
+
+    def __init__(self, class_name: str) -> None:
+        super().__init__()
+        self.class_name = class_name
+        self.added = 0
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> bool:
+        return False
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        return False
+
+    def leave_ClassDef(self, original_node: cst.ClassDef, updated_node: cst.ClassDef) -> cst.ClassDef:
+        if original_node.name.value != self.class_name or m.findall(
+                original_node.body, m.FunctionDef(name=m.Name(TEXT_CONFIG_LOADER))):
+            return updated_node
+        self.added += 1
+        method = cst.parse_statement(self.METHOD).with_changes(leading_lines=[cst.EmptyLine(indent=False)])
+        return updated_node.with_changes(body=updated_node.body.with_changes(body=[*updated_node.body.body, method]))
 
 
 def _is_import(stmt: cst.CSTNode) -> bool:

@@ -38,10 +38,10 @@ forward does not reduce. On CPU, each rank unlinks its DeepSpeed shared-memory b
 has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 """
 
-LAYOUT = {'family': 'deepseek_v2', 'moe_classes': ['DeepseekV2Moe', 'DeepseekV2MoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': ''}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': ['q_a_proj', 'kv_a_proj_with_mqa'], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size']}
+LAYOUT = {'family': 'deepseek_v2', 'moe_classes': ['DeepseekV2Moe', 'DeepseekV2MoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': ''}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': ['q_a_proj', 'kv_a_proj_with_mqa'], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_deepseek_v2'
-RUNTIME_SHA256 = '349f119bc85f6e3c16c6415648b42b3556a2d1cebcac8f3a315aecf42a842d45'
+RUNTIME_SHA256 = 'ebd62f7cb488b611faacaaf70dfba8a5dd41adf458232f983ea6c52c8d00a582'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -64,6 +64,9 @@ PATCH_MARKER = "_CODEGEN_PATCH"
 REDUCER_ATTR = "_codegen_tp_reducer"
 #: set on fused expert modules once the policy sharded them
 SHARDED_FLAG = "_codegen_sharded"
+#: set on other modules the policy sharded itself (linear attention): the names of the tensors it cut, relative to
+#: the module
+SHARDED_TENSORS = "_codegen_sharded_tensors"
 
 #: fused (transformers 5.x) expert layouts, by what their 3-D Parameters hold (codegen.families names them per
 #: family; codegen.policy.runtime.experts shards each):
@@ -685,27 +688,55 @@ def shard_fused_experts(experts, where, rank, world, fused):
 
 
 def row_layer_policy(model, blocks, layout, auto_tp):
-    """DeepSpeed's injection policy for the decoder layers, where its own parser would pick the wrong row layers
-    for 4.x experts; None where it picks them right (then it parses as it always does).
+    """DeepSpeed's injection policy for the decoder layers, where its own parser would pick the wrong row layers;
+    None where it picks them right (then it parses as it always does).
 
     Its parser (`AutoTP.tp_parser`) makes a linear row-parallel by name (`down_proj`, `o_proj`, Mixtral's `w2`)
-    or because a LayerNorm follows it; a per-expert MLP whose down projection it does not name (Phi-3.5-MoE's
-    `w2`, under LayerNorms) gets one row layer, its last expert's up projection. Every per-expert `<i>.<down>`
-    must be a row layer and no other per-expert linear may be.
+    or because a LayerNorm follows it, and reads only the first layer of each class. Two cases go wrong:
+    - a per-expert MLP whose down projection it does not name (Phi-3.5-MoE's `w2`, under LayerNorms) gets one row
+      layer, its last expert's up projection: every per-expert `<i>.<down>` must be a row layer and no other
+      per-expert linear may be;
+    - a hybrid decoder's layers of one class hold different blocks (linear attention in most, full attention every
+      few): the row layers of the kinds after the first (`self_attn.o_proj`) would stay column-parallel, so every
+      kind of layer is parsed and their row layers united.
     """
+    if auto_tp is None:
+        return None
+    alone = {layer_class: set(gems) for layer_class, gems in auto_tp.tp_parser(model)}
+    parsed = _parse_every_layer_kind(model, auto_tp, alone)
     experts = [block._modules.get(layout["experts"]) for _, block in blocks]
     indices = {key for e in experts if isinstance(e, torch.nn.ModuleList) for key in e._modules}
-    if not indices or auto_tp is None:
-        return None
     down = layout["per_expert"]["down"]
     wanted = {f"{i}.{down}" for i in indices}
-    fixed, changed = {}, False
-    for layer_class, gems in auto_tp.tp_parser(model):
-        gems = set(gems)
-        kept = {g for g in gems if g.split(".", 1)[0] not in indices} | wanted
-        changed = changed or kept != gems
-        fixed[layer_class] = tuple(sorted(kept))
-    return fixed if changed else None
+    fixed = {}
+    for layer_class, gems in parsed.items():
+        fixed[layer_class] = ({g for g in gems if g.split(".", 1)[0] not in indices} | wanted) if indices else gems
+    if fixed == alone:
+        return None
+    return {layer_class: tuple(sorted(gems)) for layer_class, gems in fixed.items()}
+
+
+def _parse_every_layer_kind(model, auto_tp, alone):
+    """DeepSpeed's parse (layer class -> row-layer names) united over every kind of layer of each class: each
+    layer whose blocks differ from the ones before it is moved first in its list for one parse, then put back."""
+    parsed = {layer_class: set(gems) for layer_class, gems in alone.items()}
+    for layers in [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]:
+        kinds = {}
+        for key, layer in layers._modules.items():
+            kinds.setdefault((type(layer), tuple(name for name, _ in layer.named_modules())), key)
+        firsts = {}
+        for (layer_class, _), key in kinds.items():
+            firsts.setdefault(layer_class, []).append(key)
+        for keys in firsts.values():
+            for key in keys[1:]:
+                order = list(layers._modules)
+                layers._modules = {key: layers._modules[key], **{k: layers._modules[k] for k in order if k != key}}
+                try:
+                    for layer_class, gems in auto_tp.tp_parser(model):
+                        parsed.setdefault(layer_class, set()).update(gems)
+                finally:
+                    layers._modules = {k: layers._modules[k] for k in order}
+    return parsed
 
 
 # ---- codegen/policy/runtime/attention.py ----
@@ -852,7 +883,7 @@ _SLICED_NORMS = {}
 
 def detach_full_width_norms(owners):
     """The norms and their projections, kept out of DeepSpeed's sight (whole on every rank)."""
-    return [_detach(owner["module"], attr, f"{owner['where']}.{attr}") for owner in owners
+    return [detach_child(owner["module"], attr, f"{owner['where']}.{attr}") for owner in owners
             for pair in owner["pairs"] for attr in pair]
 
 
@@ -935,7 +966,7 @@ def head_linear_owners(model, layout):
 
 
 def detach_head_linears(owners):
-    return [_detach(owner["module"], attr, f"{owner['where']}.{attr}") for owner in owners
+    return [detach_child(owner["module"], attr, f"{owner['where']}.{attr}") for owner in owners
             for attr in owner["linears"]]
 
 
@@ -972,11 +1003,11 @@ def detach_replicated(model, blocks, layout):
         for attr in layout["routers"]:
             if not isinstance(block._modules.get(attr), torch.nn.Module):
                 raise PolicyError(f"{name} has no router {attr!r} (named by the family table): re-run patch")
-            kept.append(_detach(block, attr, f"{name}.{attr}"))
+            kept.append(detach_child(block, attr, f"{name}.{attr}"))
     wanted = set(layout["attention_replicated"]) | set(layout.get("replicated", ()))
     for name, parent in list(model.named_modules()):
         for attr in [a for a, child in parent._modules.items() if a in wanted and child is not None]:
-            kept.append(_detach(parent, attr, f"{name}.{attr}" if name else attr))
+            kept.append(detach_child(parent, attr, f"{name}.{attr}" if name else attr))
     return kept
 
 
@@ -990,7 +1021,7 @@ def _fingerprint(tensor, dtype):
     return tuple(tensor.shape), t.sum().item(), t.abs().sum().item()
 
 
-def _detach(parent, attr, where):
+def detach_child(parent, attr, where):
     module = parent._modules[attr]
     entry = {"parent": parent, "attr": attr, "where": where, "module": module, "type": type(module),
              "order": list(parent._modules)}
@@ -1031,6 +1062,138 @@ def check_replicated(kept):
             _fingerprint(state[n], None) == print_ for n, print_ in entry["snapshot"].items())
         if not same:
             raise PolicyError(f"{entry['where']} was split or changed by DeepSpeed: it must stay replicated")
+
+
+# ---- codegen/policy/runtime/linear_attention.py ----
+"""Linear-attention token mixers of hybrid decoders (gated delta-net), sharded by heads here, not by DeepSpeed.
+
+Everything in such a layer is per head: the input projections produce per-head q/k/v/z/b/a, the convolution is
+depthwise, the decay and step Parameters hold one value per value head, the recurrent state and the norm act
+within a head, and the value heads of a key head sit next to each other. DeepSpeed would cut the projections in
+row halves (across qwen3_next's interleaved per-key-head groups) and leave the convolution, the per-head
+Parameters and the module's head counts whole. So the module is kept out of its sight and sharded here: each
+head-ordered segment of each tensor (the family table names them) is cut into tp equal contiguous parts and a rank
+keeps its part of every one, i.e. its key heads with their value heads; the module's sizes become its share; the
+output projection is row-parallel and its partial sums are reduced once. The cache follows by itself: its conv
+and recurrent states take the shapes of the local tensors.
+"""
+
+import torch
+
+
+
+def linear_attention_modules(model, layout):
+    """(qualified name, parent, module) of every linear-attention module (the decoder-layer attribute the table
+    names), recorded before DeepSpeed shards."""
+    spec = layout.get("linear_attention")
+    if not spec:
+        return []
+    attr, found = spec["attr"], []
+    for parent_name, parent in model.named_modules():
+        child = parent._modules.get(attr)
+        if isinstance(child, torch.nn.Module):
+            found.append((f"{parent_name}.{attr}" if parent_name else attr, parent, child))
+    return found
+
+
+def detach_linear_attention(modules, layout):
+    """The linear-attention modules, out of the tree while DeepSpeed shards (it would cut them wrongly)."""
+    return [detach_child(parent, layout["linear_attention"]["attr"], name) for name, parent, _ in modules]
+
+
+def _segment_widths(module, segments, total, where):
+    """The widths of a tensor's head-ordered segments (module attributes; none: one segment of the whole width)."""
+    widths = [getattr(module, attr, None) for attr in segments] if segments else [total]
+    if any(not isinstance(w, int) or isinstance(w, bool) for w in widths) or sum(widths) != total:
+        raise PolicyError(f"{where}: its {total} channels are not the segments {list(segments)} "
+                          f"({widths}) the family table names: re-run patch")
+    return widths
+
+
+def _own_part(tensor, widths, dim, rank, world, where):
+    """This rank's 1/world of each segment along `dim`, concatenated (a new tensor: the full one can be freed)."""
+    parts, start = [], 0
+    for width in widths:
+        if width % world:
+            raise PolicyError(f"{where}: a segment of {width} channels does not split over {world} ranks: pick a "
+                              "tp_size that divides the linear attention's head counts")
+        share = width // world
+        parts.append(tensor.narrow(dim, start + rank * share, share))
+        start += width
+    return torch.cat(parts, dim=dim).contiguous()
+
+
+@torch.no_grad()
+def shard_linear_attention(modules, layout, rank, world, reducer):
+    """Keep this rank's heads of every linear-attention module; its output projection reduces once over the group."""
+    spec = layout.get("linear_attention") or {}
+    for name, _, module in modules:
+        _shard_one(module, name, spec, rank, world)
+        output = module._modules[spec["output"]]
+        output.register_forward_hook(_ReduceOutput(reducer))
+
+
+def _child(module, attr, kind, where):
+    child = module._modules.get(attr)
+    if not isinstance(child, kind):
+        raise PolicyError(f"{where} has no {kind.__name__} {attr!r} (named by the family table): re-run patch")
+    return child
+
+
+def _shard_one(module, name, spec, rank, world):
+    # every width is read from the module's full sizes before any of them becomes the local one
+    plan = []
+    for attr, segments in spec["projections"]:
+        linear = _child(module, attr, torch.nn.Linear, name)
+        plan.append((linear, _segment_widths(module, segments, linear.out_features, f"{name}.{attr}"), attr))
+    conv = _child(module, spec["conv"], torch.nn.Conv1d, name)
+    if conv.groups != conv.in_channels or conv.in_channels != conv.out_channels:
+        raise PolicyError(f"{name}.{spec['conv']} is not a depthwise convolution: cannot shard it by heads")
+    conv_widths = _segment_widths(module, spec["conv_segments"], conv.out_channels, f"{name}.{spec['conv']}")
+    output = _child(module, spec["output"], torch.nn.Linear, name)
+    sizes = {attr: getattr(module, attr, None) for attr in spec["local_sizes"]}
+    for attr, value in sizes.items():
+        if not isinstance(value, int) or value % world:
+            raise PolicyError(f"{name}.{attr} = {value} does not split over {world} ranks: pick a tp_size that "
+                              "divides the linear attention's head counts")
+
+    sharded = []
+    for linear, widths, attr in plan:
+        linear.weight.data = _own_part(linear.weight.data, widths, 0, rank, world, f"{name}.{attr}")
+        sharded.append(f"{attr}.weight")
+        if linear.bias is not None:
+            linear.bias.data = _own_part(linear.bias.data, widths, 0, rank, world, f"{name}.{attr}")
+        linear.out_features = linear.weight.shape[0]
+    conv.weight.data = _own_part(conv.weight.data, conv_widths, 0, rank, world, f"{name}.{spec['conv']}")
+    sharded.append(f"{spec['conv']}.weight")
+    if conv.bias is not None:
+        conv.bias.data = _own_part(conv.bias.data, conv_widths, 0, rank, world, f"{name}.{spec['conv']}")
+    conv.in_channels = conv.out_channels = conv.groups = conv.weight.shape[0]
+    for attr in spec["head_params"]:
+        param = module._parameters.get(attr)
+        if param is None:
+            raise PolicyError(f"{name} has no Parameter {attr!r} (named by the family table): re-run patch")
+        param.data = _own_part(param.data, [param.shape[0]], 0, rank, world, f"{name}.{attr}")
+        sharded.append(attr)
+    value_widths = [output.in_features]
+    output.weight.data = _own_part(output.weight.data, value_widths, 1, rank, world, f"{name}.{spec['output']}")
+    sharded.append(f"{spec['output']}.weight")
+    output.in_features = output.weight.shape[1]
+    if output.bias is not None and rank != 0:
+        output.bias.data.zero_()  # added once over the ranks' partial sums
+    for attr, value in sizes.items():
+        setattr(module, attr, value // world)
+    setattr(module, SHARDED_TENSORS, tuple(sharded))
+
+
+class _ReduceOutput:
+    """Forward hook of the row-parallel output projection: its partial sum, reduced over the group."""
+
+    def __init__(self, reducer):
+        self.reducer = reducer
+
+    def __call__(self, module, args, output):
+        return self.reducer(output)
 
 
 # ---- codegen/policy/runtime/lockstep.py ----
@@ -1213,13 +1376,15 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
     linear_owners = head_linear_owners(model, layout)
     kept = detach_replicated(model, blocks, layout) + detach_full_width_norms(norm_owners)
     fingerprint_kept(kept, deepspeed_kwargs["dtype"])
-    cut_later = detach_head_linears(linear_owners)  # whole through DeepSpeed, then cut to this rank's heads
-    if "injection_policy" not in deepspeed_kwargs and world > 1:
-        rows = row_layer_policy(model, blocks, layout, lookup(deepspeed, "module_inject.auto_tp.AutoTP"))
-        if rows is not None:
-            deepspeed_kwargs["injection_policy"] = rows
+    mixers = linear_attention_modules(model, layout)
+    # whole through DeepSpeed, then cut to this rank's heads
+    cut_later = detach_head_linears(linear_owners) + detach_linear_attention(mixers, layout)
     try:
         with global_sizes_readable(model.config), names_hidden(model, layout.get("name_clashes", ())):
+            if "injection_policy" not in deepspeed_kwargs and world > 1:
+                rows = row_layer_policy(model, blocks, layout, lookup(deepspeed, "module_inject.auto_tp.AutoTP"))
+                if rows is not None:
+                    deepspeed_kwargs["injection_policy"] = rows
             engine = deepspeed.init_inference(model, tensor_parallel=tensor_parallel, **deepspeed_kwargs)
     finally:
         reattach(kept + cut_later, deepspeed_kwargs["dtype"])
@@ -1235,6 +1400,7 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
         shard_head_params(owners, dist, group, rank, world, column)
         slice_full_width_norms(norm_owners, dist, group, rank, world, column)
         slice_head_linears(linear_owners, dist, group, rank, world, column)
+        shard_linear_attention(mixers, layout, rank, world, CoalescedAllReduce(dist, group, world))
     if coalesce and world > 1:
         reducer = CoalescedAllReduce(dist, group, world)
         for name, block in blocks:

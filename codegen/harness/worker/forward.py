@@ -2,7 +2,8 @@
 
 All-reduces are counted at the dispatcher (codegen.harness.worker.counting) and split per attention / MoE /
 dense MLP block and LM head; then logits against the reference, greedy tokens, per-rank parameter bytes,
-whether sharded weights are registered Parameters that pin no full-size storage, whether any full-size copy
+each step's logits over a teacher-forced decode with the cache (`decode_check`), whether sharded
+weights are registered Parameters that pin no full-size storage, whether any full-size copy
 of a sharded weight is still alive, router weights and types, and (grad_check) the inserted reduction's
 autograd behaviour.
 """
@@ -15,8 +16,8 @@ import time
 import torch
 
 from codegen.harness.worker.counting import ALL_REDUCE_OPS, CollectiveCounter, per_block_counts, tally
-from codegen.harness.worker.model_figures import (decoder_layers, gate_types, gates_intact, layer_attention, layer_mlp,
-                                                  moe_blocks, param_bytes, sharding_figures)
+from codegen.harness.worker.model_figures import (cache_of, decoder_layers, gate_types, gates_intact, layer_attention,
+                                                  layer_mlp, moe_blocks, param_bytes, sharding_figures)
 from codegen.harness.worker.reference import Reference, greedy
 from codegen.harness.worker.run import Run, dry_run, guarded
 from codegen.policy.runtime.base import REDUCE_HELPER, REDUCER_ATTR
@@ -107,6 +108,8 @@ def measure(phase: str, model, run: Run, opts: dict, ids, ref: Reference) -> dic
     if opts["generate"]:
         with torch.no_grad():
             result["same_tokens"] = bool(torch.equal(greedy(model, ids[:1], opts["generate"]), ref.tokens))
+    if opts["decode_check"] and phase != "stock":  # the stock comparison stays one forward
+        result["decode_checked"], result["decode_maxdiff"] = decode_check(model, ids, ref, opts["decode_check"])
     # last: a wrapper may keep state from an image forward (4.x GLM-4V keeps its rope deltas for the next call)
     with torch.no_grad():
         if ref.image is not None:  # the same contract with image features in the prompt
@@ -123,6 +126,19 @@ def measure(phase: str, model, run: Run, opts: dict, ids, ref: Reference) -> dic
     if opts["grad_check"] and phase == "codegen":
         result["grad_check"] = grad_check(blocks, counter, dist)
     return result
+
+
+@torch.no_grad()
+def decode_check(model, ids, ref: Reference, steps: int) -> tuple[int, float]:
+    """(steps, worst max|dlogits|) of a prefill then `steps` decode steps with the model's own cache, fed the
+    reference's greedy tokens: what the cache holds per rank (KV heads, linear-attention states) is checked."""
+    out = model(ids, use_cache=True)
+    cache, worst = cache_of(out), 0.0
+    for token, expected in list(zip(ref.forced, ref.step_logits))[:steps]:
+        out = model(token, past_key_values=cache, use_cache=True)
+        worst = max(worst, (out.logits.float().cpu() - expected).abs().max().item())
+        cache = cache_of(out)
+    return min(steps, len(ref.forced)), worst
 
 
 def image_forward(model, blocks, run: Run, ref: Reference) -> dict:

@@ -54,11 +54,13 @@ def run_job(run: Run, job: dict, defaults: dict, timings: dict) -> dict:
     ids = torch.randint(0, vocab, (opts["batch"], opts["prompt_len"]), generator=torch.Generator().manual_seed(1))
     ids = ids.to(run.device)
     phases = job["phases"]
+    one_forward = bool(set(phases) - {"ab"})
     decode = opts["warmup"] + opts["decode_steps"] if "ab" in phases else 0
+    if one_forward:
+        decode = max(decode, opts["decode_check"])
     run.say(f"{name}: single-process reference (prefill {opts['batch']}x{opts['prompt_len']} tokens"
             + (f" + {decode} greedy decode steps)" if decode else ")"))
     t = time.perf_counter()
-    one_forward = bool(set(phases) - {"ab"})
     ref = Reference(run, job["reference"], ids, opts["generate"] if one_forward else 0, decode, image=one_forward)
     timings[f"{name}/reference_s"] = time.perf_counter() - t
     out = {}

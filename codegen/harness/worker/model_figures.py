@@ -12,7 +12,7 @@ import torch
 
 from codegen.families import FAMILIES, moe_class_names
 from codegen.harness.memory import FUSED, ROW_PARALLEL_BIASES, is_expert_param
-from codegen.policy.runtime.base import REDUCER_ATTR, SHARDED_FLAG
+from codegen.policy.runtime.base import REDUCER_ATTR, SHARDED_FLAG, SHARDED_TENSORS
 
 MOE_CLASSES = moe_class_names()
 #: router attributes of each MoE block class, either generation's names (kept whole on every rank)
@@ -106,7 +106,8 @@ def gates_intact(model, full_gates: dict) -> bool:
 
 
 def sharded_tensors(model) -> dict:
-    """name -> tensor of every weight this rank holds a shard of: DeepSpeed's TP layers, codegen's fused experts."""
+    """name -> tensor of every weight this rank holds a shard of: DeepSpeed's TP layers, codegen's fused experts and
+    linear attention."""
     try:
         from deepspeed.module_inject.layers import TensorParallel_Layer
     except ImportError:  # older DeepSpeed
@@ -122,6 +123,8 @@ def sharded_tensors(model) -> dict:
             for attr in sorted(FUSED - ROW_PARALLEL_BIASES):
                 if isinstance(getattr(module, attr, None), torch.Tensor):
                     found[prefix + attr] = getattr(module, attr)
+        for attr in getattr(module, SHARDED_TENSORS, ()):  # what the policy cut itself (linear attention)
+            found[prefix + attr] = module.get_parameter(attr)
     return found
 
 

@@ -2,4 +2,5 @@
 self-contained file every patched model dir gets. Importing this package imports no part (and no torch)."""
 
 #: the parts, in the order they are assembled; a part imports earlier parts only (see codegen.policy.assemble)
-PARTS = ("base", "probe", "environment", "shm", "groups", "experts", "attention", "lockstep", "entry")
+PARTS = ("base", "probe", "environment", "shm", "groups", "experts", "attention", "linear_attention", "lockstep",
+         "entry")

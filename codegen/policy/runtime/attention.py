@@ -142,7 +142,7 @@ _SLICED_NORMS = {}
 
 def detach_full_width_norms(owners):
     """The norms and their projections, kept out of DeepSpeed's sight (whole on every rank)."""
-    return [_detach(owner["module"], attr, f"{owner['where']}.{attr}") for owner in owners
+    return [detach_child(owner["module"], attr, f"{owner['where']}.{attr}") for owner in owners
             for pair in owner["pairs"] for attr in pair]
 
 
@@ -225,7 +225,7 @@ def head_linear_owners(model, layout):
 
 
 def detach_head_linears(owners):
-    return [_detach(owner["module"], attr, f"{owner['where']}.{attr}") for owner in owners
+    return [detach_child(owner["module"], attr, f"{owner['where']}.{attr}") for owner in owners
             for attr in owner["linears"]]
 
 
@@ -262,11 +262,11 @@ def detach_replicated(model, blocks, layout):
         for attr in layout["routers"]:
             if not isinstance(block._modules.get(attr), torch.nn.Module):
                 raise PolicyError(f"{name} has no router {attr!r} (named by the family table): re-run patch")
-            kept.append(_detach(block, attr, f"{name}.{attr}"))
+            kept.append(detach_child(block, attr, f"{name}.{attr}"))
     wanted = set(layout["attention_replicated"]) | set(layout.get("replicated", ()))
     for name, parent in list(model.named_modules()):
         for attr in [a for a, child in parent._modules.items() if a in wanted and child is not None]:
-            kept.append(_detach(parent, attr, f"{name}.{attr}" if name else attr))
+            kept.append(detach_child(parent, attr, f"{name}.{attr}" if name else attr))
     return kept
 
 
@@ -280,7 +280,7 @@ def _fingerprint(tensor, dtype):
     return tuple(tensor.shape), t.sum().item(), t.abs().sum().item()
 
 
-def _detach(parent, attr, where):
+def detach_child(parent, attr, where):
     module = parent._modules[attr]
     entry = {"parent": parent, "attr": attr, "where": where, "module": module, "type": type(module),
              "order": list(parent._modules)}

@@ -17,6 +17,9 @@ PATCH_MARKER = "_CODEGEN_PATCH"
 REDUCER_ATTR = "_codegen_tp_reducer"
 #: set on fused expert modules once the policy sharded them
 SHARDED_FLAG = "_codegen_sharded"
+#: set on other modules the policy sharded itself (linear attention): the names of the tensors it cut, relative to
+#: the module
+SHARDED_TENSORS = "_codegen_sharded_tensors"
 
 #: fused (transformers 5.x) expert layouts, by what their 3-D Parameters hold (codegen.families names them per
 #: family; codegen.policy.runtime.experts shards each):

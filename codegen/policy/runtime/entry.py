@@ -18,6 +18,8 @@ from codegen.policy.runtime.base import PATCH_MARKER, REDUCER_ATTR, SUPPORTED_DE
 from codegen.policy.runtime.experts import row_layer_policy, shard_experts
 from codegen.policy.runtime.environment import launcher_notes, local_ranks, thread_note
 from codegen.policy.runtime.groups import CoalescedAllReduce, TensorParallelGroups, route_inference_reductions
+from codegen.policy.runtime.linear_attention import (detach_linear_attention, linear_attention_modules,
+                                                     shard_linear_attention)
 from codegen.policy.runtime.lockstep import keep_in_lockstep
 from codegen.policy.runtime.probe import deepspeed_problems, lookup
 from codegen.policy.runtime.shm import maps_shm_buffers, own_shm_buffer, unlink_once_mapped
@@ -89,13 +91,15 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
     linear_owners = head_linear_owners(model, layout)
     kept = detach_replicated(model, blocks, layout) + detach_full_width_norms(norm_owners)
     fingerprint_kept(kept, deepspeed_kwargs["dtype"])
-    cut_later = detach_head_linears(linear_owners)  # whole through DeepSpeed, then cut to this rank's heads
-    if "injection_policy" not in deepspeed_kwargs and world > 1:
-        rows = row_layer_policy(model, blocks, layout, lookup(deepspeed, "module_inject.auto_tp.AutoTP"))
-        if rows is not None:
-            deepspeed_kwargs["injection_policy"] = rows
+    mixers = linear_attention_modules(model, layout)
+    # whole through DeepSpeed, then cut to this rank's heads
+    cut_later = detach_head_linears(linear_owners) + detach_linear_attention(mixers, layout)
     try:
         with global_sizes_readable(model.config), names_hidden(model, layout.get("name_clashes", ())):
+            if "injection_policy" not in deepspeed_kwargs and world > 1:
+                rows = row_layer_policy(model, blocks, layout, lookup(deepspeed, "module_inject.auto_tp.AutoTP"))
+                if rows is not None:
+                    deepspeed_kwargs["injection_policy"] = rows
             engine = deepspeed.init_inference(model, tensor_parallel=tensor_parallel, **deepspeed_kwargs)
     finally:
         reattach(kept + cut_later, deepspeed_kwargs["dtype"])
@@ -111,6 +115,7 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
         shard_head_params(owners, dist, group, rank, world, column)
         slice_full_width_norms(norm_owners, dist, group, rank, world, column)
         slice_head_linears(linear_owners, dist, group, rank, world, column)
+        shard_linear_attention(mixers, layout, rank, world, CoalescedAllReduce(dist, group, world))
     if coalesce and world > 1:
         reducer = CoalescedAllReduce(dist, group, world)
         for name, block in blocks:

@@ -207,24 +207,52 @@ def shard_fused_experts(experts, where, rank, world, fused):
 
 
 def row_layer_policy(model, blocks, layout, auto_tp):
-    """DeepSpeed's injection policy for the decoder layers, where its own parser would pick the wrong row layers
-    for 4.x experts; None where it picks them right (then it parses as it always does).
+    """DeepSpeed's injection policy for the decoder layers, where its own parser would pick the wrong row layers;
+    None where it picks them right (then it parses as it always does).
 
     Its parser (`AutoTP.tp_parser`) makes a linear row-parallel by name (`down_proj`, `o_proj`, Mixtral's `w2`)
-    or because a LayerNorm follows it; a per-expert MLP whose down projection it does not name (Phi-3.5-MoE's
-    `w2`, under LayerNorms) gets one row layer, its last expert's up projection. Every per-expert `<i>.<down>`
-    must be a row layer and no other per-expert linear may be.
+    or because a LayerNorm follows it, and reads only the first layer of each class. Two cases go wrong:
+    - a per-expert MLP whose down projection it does not name (Phi-3.5-MoE's `w2`, under LayerNorms) gets one row
+      layer, its last expert's up projection: every per-expert `<i>.<down>` must be a row layer and no other
+      per-expert linear may be;
+    - a hybrid decoder's layers of one class hold different blocks (linear attention in most, full attention every
+      few): the row layers of the kinds after the first (`self_attn.o_proj`) would stay column-parallel, so every
+      kind of layer is parsed and their row layers united.
     """
+    if auto_tp is None:
+        return None
+    alone = {layer_class: set(gems) for layer_class, gems in auto_tp.tp_parser(model)}
+    parsed = _parse_every_layer_kind(model, auto_tp, alone)
     experts = [block._modules.get(layout["experts"]) for _, block in blocks]
     indices = {key for e in experts if isinstance(e, torch.nn.ModuleList) for key in e._modules}
-    if not indices or auto_tp is None:
-        return None
     down = layout["per_expert"]["down"]
     wanted = {f"{i}.{down}" for i in indices}
-    fixed, changed = {}, False
-    for layer_class, gems in auto_tp.tp_parser(model):
-        gems = set(gems)
-        kept = {g for g in gems if g.split(".", 1)[0] not in indices} | wanted
-        changed = changed or kept != gems
-        fixed[layer_class] = tuple(sorted(kept))
-    return fixed if changed else None
+    fixed = {}
+    for layer_class, gems in parsed.items():
+        fixed[layer_class] = ({g for g in gems if g.split(".", 1)[0] not in indices} | wanted) if indices else gems
+    if fixed == alone:
+        return None
+    return {layer_class: tuple(sorted(gems)) for layer_class, gems in fixed.items()}
+
+
+def _parse_every_layer_kind(model, auto_tp, alone):
+    """DeepSpeed's parse (layer class -> row-layer names) united over every kind of layer of each class: each
+    layer whose blocks differ from the ones before it is moved first in its list for one parse, then put back."""
+    parsed = {layer_class: set(gems) for layer_class, gems in alone.items()}
+    for layers in [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]:
+        kinds = {}
+        for key, layer in layers._modules.items():
+            kinds.setdefault((type(layer), tuple(name for name, _ in layer.named_modules())), key)
+        firsts = {}
+        for (layer_class, _), key in kinds.items():
+            firsts.setdefault(layer_class, []).append(key)
+        for keys in firsts.values():
+            for key in keys[1:]:
+                order = list(layers._modules)
+                layers._modules = {key: layers._modules[key], **{k: layers._modules[k] for k in order if k != key}}
+                try:
+                    for layer_class, gems in auto_tp.tp_parser(model):
+                        parsed.setdefault(layer_class, set()).update(gems)
+                finally:
+                    layers._modules = {k: layers._modules[k] for k in order}
+    return parsed
