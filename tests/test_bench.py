@@ -14,6 +14,8 @@ from codegen.harness.abrun import families_of
 from conftest import FAMILIES, ROOT, STOCK_AUTOTP_CRASHES, run_codegen
 
 RECORDED = sorted((ROOT / "docs" / "bench").glob("bench-*.json"))
+#: vLLM's CPU engine on the same checkpoints (`bench --peer vllm --json`), joined to the rows by `--merge`
+PEERS = sorted((ROOT / "docs" / "bench").glob("peer-vllm-*.json"))
 #: the families the smoke run covers (those the recorded bench covers, at tiny widths)
 SMOKE = families_of("smoke")
 #: the families stock AutoTP runs on: the ones whose (a) figures exist
@@ -256,6 +258,86 @@ def test_the_demo_table_of_this_environment(smoke):
         assert "fused 3-D Parameters that stock AutoTP leaves replicated" in table
 
 
+@pytest.mark.runtime
+def test_one_process_on_all_cores_and_end_to_end_generation_are_measured(smoke):
+    """(e): the unpatched model in one process on the ranks' cores together, beside (a), (b), (d), with the same
+    prompt and forced tokens: no collective, the reference's logits; every setup that ran has end-to-end figures
+    (generate() to N new tokens: time to first token, tokens/s) and b/e is in the table."""
+    out, result, record = smoke
+    rows = [row for row in record["rows"] if not row.get("not_run")]
+    assert rows and all("single" in row and "ratio_b_over_e" in row for row in rows)
+    for row in rows:
+        single = row["single"]
+        assert single["allreduce_prefill"] == 0 and single["allreduce_decode_step"]["median"] == 0
+        assert single["maxdiff_prefill"] == 0.0 and single["maxdiff_decode"] == 0.0  # the reference's own model
+        for mode in ("stock", "codegen", "native", "single"):
+            figures = row.get(mode)
+            if figures is not None and "crashed" not in figures:
+                e2e = figures["e2e"]
+                assert e2e["new_tokens"] == 4 and 0 < e2e["ttft"]["median"] < e2e["total"]["median"]
+                assert e2e["tokens_per_s"] == pytest.approx(row["batch"] * 4 / e2e["total"]["median"])
+        assert row["ratio_b_over_e"]["decode_median"] == pytest.approx(
+            row["codegen"]["decode"]["median"] / single["decode"]["median"])
+    assert "b/e decode, e2e" in result.stdout and "end-to-end tokens/s" in result.stdout
+
+
+# ------------------------------------------------------------------ the vLLM peer (units; the runs: docs/bench)
+
+
+def test_vllm_crash_line_is_the_root_cause_not_the_engines_pointer():
+    from codegen.harness.peer import _crash_line
+
+    log = "\n".join([
+        "(MainProcess pid=1) WARNING 12-01 10:00:00 [base.py:380] ValueError: Tokenizer not available",
+        "(Worker_TP0 pid=3) ERROR 12-01 10:00:01 [executor.py:10] RuntimeError: Unsupported CPU attention "
+        "configuration: head_dim=16",
+        "(EngineCore pid=2) ERROR 12-01 10:00:01 [core.py:15] RuntimeError: Worker failed with error 'x', please "
+        "check the stack trace above for the root cause",
+        "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) for "
+        "the root cause.",
+    ])
+    assert _crash_line(log) == "RuntimeError: Unsupported CPU attention configuration: head_dim=16"
+    assert _crash_line("") == "no output"
+
+
+def test_vllm_threads_are_bound_as_the_ranks_split_the_cores(monkeypatch):
+    from codegen.harness import peer
+
+    monkeypatch.setattr(peer.os, "cpu_count", lambda: 2)
+    assert peer.thread_binding(2) == "0|1"
+    monkeypatch.setattr(peer.os, "cpu_count", lambda: 16)
+    assert peer.thread_binding(2) == "0-7|8-15" and peer.thread_binding(4) == "0-3|4-7|8-11|12-15"
+
+
+def test_vllm_prompts_are_the_bench_workers_prompts():
+    """The peer feeds vLLM the very token ids the rank worker draws (codegen.harness.worker.main)."""
+    import torch
+
+    from codegen.harness.peer import prompts
+
+    assert prompts(4096, 16, 128) == torch.randint(0, 4096, (16, 128), generator=torch.Generator().manual_seed(1)
+                                                   ).tolist()
+
+
+def test_merge_joins_a_peer_record_to_the_rows_it_ran_beside(tmp_path):
+    from codegen.harness.report import PEER, markdown, merge
+
+    latest = max(RECORDED, key=lambda p: "5." in p.name)
+    rows = json.loads(latest.read_text())["rows"]
+    peer_rows = [{"family": r["family"], "size": r["size"], "dtype": r["dtype"], "batch": r["batch"],
+                  "e2e_median_s": 2.0, "ttft_median_s": 0.5, "decode_step_s": 0.1, "e2e_tokens_per_s": 8.0 * r["batch"]}
+                 for r in rows[:1]] + [{**{k: rows[1][k] for k in ("family", "size", "dtype", "batch")},
+                                        "crashed": "RuntimeError: Unsupported CPU attention configuration"}]
+    (tmp_path / "peer-vllm-x.json").write_text(json.dumps({"peer": PEER, "rows": peer_rows}))
+    merged = merge([latest, tmp_path / "peer-vllm-x.json"])
+    joined = [row for run in merged["runs"] for row in run["rows"] if PEER in row]
+    assert len(joined) == 2
+    table = markdown(merged)
+    assert "b/v decode, e2e" in table and " / crash |" in table
+    b = rows[0]["codegen"]["decode"]["median"]
+    assert f"{b / 0.1:.2f}×" in table
+
+
 # ------------------------------------------------------------------ report, merge, chart: the recorded runs
 
 
@@ -271,7 +353,7 @@ def test_recorded_runs_are_there():
 def test_markdown_table_of_the_recorded_runs():
     from codegen.harness.report import markdown, merge
 
-    table = markdown(merge(RECORDED))
+    table = markdown(merge(RECORDED + PEERS))
     rows = [row for path in RECORDED for row in json.loads(path.read_text())["rows"]]
     assert {row["family"] for row in rows} <= set(FAMILIES)
     assert sum(line.startswith("| ") and " (" in line.split("|")[1] for line in table.splitlines()) == len(rows)

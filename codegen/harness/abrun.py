@@ -8,21 +8,26 @@ from pathlib import Path
 
 from codegen.families import FAMILIES
 from codegen.harness.prepare import Progress, ab_spec, prepare_examples
-from codegen.harness.results import summarise_ab
+from codegen.harness.results import ratios, summarise_ab
 
 #: what each kind of run measures: `smoke` is the CI run (counts asserted, timings recorded but meaningless),
 #: `toy` the default recorded run (scaled-down widths), `full` the published widths (2 layers, small vocab)
 SETTINGS: dict[str, dict] = {
     "smoke": dict(size="tiny", prompt_len=32, batches=(1,), decode_steps=4, warmup=1, prefill_repeats=2,
-                  patch_trials=1, setups=("stock", "codegen", "native"), timeout=900.0, families_of="bench"),
+                  patch_trials=1, setups=("stock", "codegen", "native"), timeout=900.0, families_of="bench",
+                  single=True, e2e_tokens=4, e2e_repeats=1),
     "toy": dict(size="bench", prompt_len=128, batches=(1, 16), decode_steps=48, warmup=4, prefill_repeats=8,
-                patch_trials=3, setups=("stock", "codegen", "native"), timeout=1800.0),
+                patch_trials=3, setups=("stock", "codegen", "native"), timeout=1800.0, single=True, e2e_tokens=32,
+                e2e_repeats=2),
     "full": dict(size="full", prompt_len=64, batches=(1, 16), decode_steps=16, warmup=2, prefill_repeats=3,
-                 patch_trials=0, setups=("stock", "codegen", "native"), timeout=3000.0),
+                 patch_trials=0, setups=("stock", "codegen", "native"), timeout=3000.0, single=True, e2e_tokens=16,
+                 e2e_repeats=1),
     # the demo: tiny dirs, counts and logits only, (a) vs (b)
     "demo": dict(size="tiny", prompt_len=32, batches=(1,), decode_steps=2, warmup=1, prefill_repeats=1,
                  patch_trials=0, setups=("stock", "codegen"), timeout=600.0),
 }
+#: (e)'s setup, run in a launch of one process after the tensor-parallel launches (`single` in SETTINGS)
+SINGLE = ("single",)
 #: two interleaved groups sharing (b), when the three setups do not fit in memory side by side
 PAIRS = (("stock", "codegen"), ("codegen", "native"))
 
@@ -71,6 +76,7 @@ def run_ab(kind: str, families: tuple[str, ...], tp: int, device: str, root: Pat
                 ranks[k]["jobs"].update(rank["jobs"])
             else:
                 ranks.append(rank)
+    singles = _run_single(dirs, families, device, dtype, settings, progress) if settings.get("single") else {}
     rows = []
     for family in families:
         shape = shape_of(dirs[family]["unpatched"], family, settings["size"])
@@ -78,6 +84,10 @@ def run_ab(kind: str, families: tuple[str, ...], tp: int, device: str, root: Pat
             parts = [summarise_ab([r["jobs"][job["name"]]["ab"] for r in ranks], shape)
                      for job in jobs if job["family"] == family and job["batch"] == batch]
             row = {"family": family, "label": label(family), "size": settings["size"], **parts[0]}
+            single = singles.get((family, batch))
+            if single is not None:  # (e), from its own launch: the same prompt and forced tokens
+                row["single"] = summarise_ab([single], shape)["single"]
+                row["ratio_b_over_e"] = ratios(row["codegen"], row["single"])
             for part in parts[1:]:  # a second group: (d) against its own (b)
                 row["native"], row["ratio_b_over_d"] = part["native"], part["ratio_b_over_d"]
                 row["codegen_beside_native"] = part["codegen"]
@@ -87,6 +97,20 @@ def run_ab(kind: str, families: tuple[str, ...], tp: int, device: str, root: Pat
             rows.append(row)
     return rows, ranks, dirs
 
+
+def _run_single(dirs: dict, families: tuple[str, ...], device: str, dtype: str, settings: dict,
+                progress: Progress) -> dict:
+    """(e): every (family, batch) in one launch of ONE process holding every core the ranks had together (the
+    launcher gives a launch's ranks the cores between them): {(family, batch): its ab record}."""
+    from codegen.harness.launcher import launch
+
+    jobs = [{"name": f"{family}/b{batch}/e", "family": family, "batch": batch, "setups": SINGLE}
+            for family in families for batch in settings["batches"]]
+    progress(f"starting (e): the unpatched model in one {device.upper()} process on all cores "
+             f"({', '.join(families)}); after the tensor-parallel launch, the same prompts and forced tokens")
+    (rank,) = launch(ab_spec(dirs, jobs, 1, device, dtype, settings), 1, settings["timeout"], progress,
+                     what="benchmark (e)")
+    return {(job["family"], job["batch"]): rank["jobs"][job["name"]]["ab"] for job in jobs}
 
 
 def label(family: str) -> str:

@@ -26,8 +26,11 @@ ROW_PARALLEL_BIASES = frozenset(family.fused.down_bias for family in FAMILIES.va
 #: the bench's setups: stock DeepSpeed AutoTP, codegen's policy, transformers' own `tp_plan="auto"`
 SETUP_STOCK, SETUP_CODEGEN, SETUP_NATIVE = "stock", "codegen", "native"
 SETUPS = (SETUP_STOCK, SETUP_CODEGEN, SETUP_NATIVE)
+#: (e): the unpatched model, unsharded, in one process on every core the ranks have together; it cannot share the
+#: ranks' processes, so it runs in a launch of its own (one rank) after theirs
+SETUP_SINGLE = "single"
 #: the order codegen.harness.worker.main loads them in: codegen's whole-copy transient first, while nothing else is held
-LOAD_ORDER = (SETUP_CODEGEN, SETUP_NATIVE, SETUP_STOCK)
+LOAD_ORDER = (SETUP_CODEGEN, SETUP_NATIVE, SETUP_STOCK, SETUP_SINGLE)
 
 #: bytes per element of the dtypes a run uses (torch attribute names)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -35,7 +35,9 @@ def _count(x: float) -> str:
 
 
 #: the setups in table order, and their letters
-SETUP_ORDER = (("stock", "a"), ("codegen", "b"), ("native", "d"))
+SETUP_ORDER = (("stock", "a"), ("codegen", "b"), ("native", "d"), ("single", "e"))
+#: what the end-to-end columns hold besides: a peer engine's record (`bench --peer vllm --json`), as (v)
+PEER = "vllm"
 
 
 def _present(row: dict, mode: str) -> dict | None:
@@ -87,21 +89,55 @@ def _ratio_cell(row: dict, key: str) -> str:
     return f"{_fmt_ratio(r.get('decode_median'))}, {_fmt_ratio(r.get('prefill_median'))}"
 
 
+def _e2e_cells(row: dict, fmt) -> str:
+    """`a / b / d / e / v` of an end-to-end figure (`v`: the peer engine, where a peer record was merged)."""
+    out = []
+    for mode, _ in (*SETUP_ORDER, (PEER, "v")):
+        figures = row.get(mode)
+        if mode == PEER and figures is None:
+            continue
+        out.append("–" if figures is None or (mode != PEER and "e2e" not in figures and not crashed(figures))
+                   else "crash" if crashed(figures) else fmt(figures.get("e2e", figures)))
+    return " / ".join(out)
+
+
+def _over(b: float | None, other: float | None) -> str:
+    return _fmt_ratio(b / other if b and other else None)
+
+
+def _b_over(row: dict, mode: str) -> str:
+    """b / another setup or the peer: decode step time, end-to-end time (< 1: codegen faster)."""
+    b, other = _present(row, "codegen"), row.get(mode)
+    if b is None or other is None or crashed(other):
+        return "–"
+    if mode == PEER:
+        decode, e2e = other.get("decode_step_s"), other.get("e2e_median_s")
+    else:
+        decode, e2e = other["decode"]["median"], other.get("e2e", {}).get("total", {}).get("median")
+    return f"{_over(b['decode']['median'], decode)}, {_over(b.get('e2e', {}).get('total', {}).get('median'), e2e)}"
+
+
 def markdown(record_or_merged: dict) -> str:
     records = _records(record_or_merged)
     first = records[0]
+    peers = any(PEER in row for _, row in _rows(records))
     lines = [
         f"TP={first['tp']} on {first['device'].upper()}; (a) stock DeepSpeed AutoTP, (b) codegen, (d) transformers "
-        "native TP (`tp_plan=\"auto\"`), each cell **a / b / d**; latency = slowest rank, median; decode "
+        "native TP (`tp_plan=\"auto\"`), (e) the unpatched model in one process on all the ranks' cores together, "
+        "each cell **a / b / d / e**"
+        + (" (end to end: **a / b / d / e / v**, (v) vLLM's CPU engine at the same TP)" if peers else "")
+        + "; latency = slowest rank, median; decode "
         "teacher-forced with the float32 single-process model's greedy tokens; `crash` = that setup failed to load "
         "or run (below), `–` = not run. Collectives: all-reduces, `+Ng` = N other collectives (all-gathers). "
         "Numerics: float32 rows max |Δlogits| vs the float32 single process (c); bfloat16 rows the relative error "
-        "max|Δ|/max|logits| vs (c) and the share of decode steps whose greedy token matches (c)'s.",
+        "max|Δ|/max|logits| vs (c) and the share of decode steps whose greedy token matches (c)'s. End to end: "
+        "`generate()` from the prompt to N greedy new tokens (EOS ignored), tokens/s = batch × N / wall time, TTFT = "
+        "time to first token; b/x = codegen's time over x's (decode step, end to end; < 1: codegen faster).",
         "",
         "| model | transformers | dtype | batch | collectives / MoE layer (decode) | collectives / decode step "
-        "| decode ms | decode tokens/s | prefill ms | expert MiB / rank | numerics | b/a decode, prefill "
-        "| b/d decode, prefill |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| decode ms | decode tokens/s | prefill ms | expert MiB / rank | numerics | end-to-end tokens/s | TTFT ms "
+        "| b/a decode, prefill | b/d decode, prefill | b/e decode, e2e" + (" | b/v decode, e2e |" if peers else " |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if peers else ""),
     ]
     notes: dict[str, list[str]] = {}  # one line per finding, naming the rows it holds for
     for rec, row in _rows(records):
@@ -111,7 +147,7 @@ def markdown(record_or_merged: dict) -> str:
             notes.setdefault(f"{row['family']} ({size_name(row['size'])} widths, transformers {tf}): not run: "
                              f"{row['not_run']}", []).append(where)
             lines.append(f"| {row['family']} ({label(row['family'])}, {size_name(row['size'])}) | {tf} | {row['dtype']} "
-                         f"| {row['batch']} | not run: does not fit in memory (notes) |" + " |" * 8)
+                         f"| {row['batch']} | not run: does not fit in memory (notes) |" + " |" * (11 + peers))
             continue
         for mode, letter in SETUP_ORDER:
             figures = row.get(mode)
@@ -131,7 +167,10 @@ def markdown(record_or_merged: dict) -> str:
             f"| {_cells(row, lambda f: format(f['prefill']['median'] * 1e3, '.0f'))} "
             f"| {_cells(row, lambda f: _mb(f['param_bytes_per_rank']['experts']))} "
             f"| {_cells(row, lambda f: _numerics(f, row['dtype']))}{_unsharded(row)} "
-            f"| {_ratio_cell(row, 'ratio_b_over_a')} | {_ratio_cell(row, 'ratio_b_over_d')} |"
+            f"| {_e2e_cells(row, lambda e: format(e['tokens_per_s' if 'tokens_per_s' in e else 'e2e_tokens_per_s'], '.1f'))} "
+            f"| {_e2e_cells(row, lambda e: format((e['ttft']['median'] if 'ttft' in e else e['ttft_median_s']) * 1e3, '.0f'))} "
+            f"| {_ratio_cell(row, 'ratio_b_over_a')} | {_ratio_cell(row, 'ratio_b_over_d')} | {_b_over(row, 'single')} |"
+            + (f" {_b_over(row, PEER)} |" if peers else "")
         )
     if notes:
         lines += ["", "Notes (the rows each holds for):", ""]
@@ -188,10 +227,11 @@ def chart(record_or_merged: dict, path: Path) -> None:
     labels = [f"{row['family']} {size_name(row['size'])}, tf {rec['machine']['transformers']}, "
               f"{'bf16' if row['dtype'] == 'bfloat16' else 'fp32'}, batch {row['batch']}" for rec, row in rows]
     y = list(range(len(rows)))
-    h = 0.27
-    fig, axes = plt.subplots(1, 4, figsize=(20, 1.6 + 0.32 * len(rows)), sharey=True)
-    colours = {"stock": "#c44e52", "codegen": "#4c72b0", "native": "#55a868"}
-    names = {"stock": "(a) stock AutoTP", "codegen": "(b) codegen", "native": "(d) transformers native TP"}
+    h = 0.2
+    fig, axes = plt.subplots(1, 4, figsize=(20, 1.6 + 0.4 * len(rows)), sharey=True)
+    colours = {"stock": "#c44e52", "codegen": "#4c72b0", "native": "#55a868", "single": "#8172b2"}
+    names = {"stock": "(a) stock AutoTP", "codegen": "(b) codegen", "native": "(d) transformers native TP",
+             "single": "(e) one process, all cores"}
 
     def relative(key: str):
         return lambda f, b: f[key]["median"] / b[key]["median"]
@@ -208,7 +248,7 @@ def chart(record_or_merged: dict, path: Path) -> None:
             for _, row in rows:
                 f, b = _present(row, mode), _present(row, "codegen")
                 widths.append(float("nan") if f is None else value(f, b))
-            ax.barh([i + (j - 1) * h for i in y], widths, h, color=colours[mode], label=names[mode])
+            ax.barh([i + (j - 1.5) * h for i in y], widths, h, color=colours[mode], label=names[mode])
         if log:
             ax.set_xscale("symlog" if "all-reduces" in title else "log", **({"linthresh": 1} if "all-reduces" in title else {}))
         if "/ codegen" in title:
@@ -232,7 +272,9 @@ def chart(record_or_merged: dict, path: Path) -> None:
 
 
 def merge(paths: list[Path]) -> dict:
-    runs = []
+    """Bench records of several environments as one; a peer engine's records (`bench --peer vllm --json`) join the
+    rows of the same family, widths, dtype and batch under the latest transformers (what the peer runs beside)."""
+    runs, peers = [], []
     for path in paths:
         try:
             data = json.loads(path.read_text())
@@ -242,12 +284,24 @@ def merge(paths: list[Path]) -> dict:
             raise BadInput(f"{path} is not JSON: pass files written by `bench --json`") from None
         if not isinstance(data, dict) or not ("rows" in data or "runs" in data):
             raise BadInput(f"{path} is not a `bench --json` record of this codegen version (no rows): run it again")
+        if data.get("peer") == PEER:
+            peers.append(data)
+            continue
         runs += _records(data)
     sizes = {"tiny": 0, "bench": 1, "full": 2}
     runs.sort(key=lambda r: (sizes.get(r["settings"]["size"], 3),
                              [int(p) if p.isdigit() else 0 for p in str(r["machine"]["transformers"]).split(".")],
                              r["dtype"] != "float32"))
-    return {"tool": f"codegen {__version__} bench (merged)", "runs": runs}
+    for peer in peers:
+        latest = [r for r in runs if r["machine"]["transformers"] == max(
+            (x["machine"]["transformers"] for x in runs), key=lambda v: [int(p) for p in v.split(".")])]
+        for peer_row in peer["rows"]:
+            for rec in latest:
+                for row in rec["rows"]:
+                    if all(row.get(k) == peer_row.get(k) for k in ("family", "size", "dtype", "batch")):
+                        row[PEER] = peer_row
+    return {"tool": f"codegen {__version__} bench (merged)", "runs": runs,
+            **({"peers": [{k: v for k, v in p.items() if k != "rows"} for p in peers]} if peers else {})}
 
 
 #: the README's copy of the results table sits between these lines (`bench --merge ... --readme README.md` refreshes it)

@@ -29,7 +29,8 @@ from codegen import __version__
 
 SCHEMA = "codegen-result/1"
 #: the b/a ratios of an ab entry (None each where stock crashed or a is 0)
-RATIOS = ("allreduce_prefill", "allreduce_decode_step", "decode_median", "prefill_median", "expert_bytes", "rest_bytes")
+RATIOS = ("allreduce_prefill", "allreduce_decode_step", "decode_median", "prefill_median", "expert_bytes", "rest_bytes",
+          "e2e_median", "ttft_median")
 
 
 def record(command: str, kind: str, *, device: str, tp: int, world_size: int, dtype: str, tolerance: float | None,
@@ -174,6 +175,10 @@ def _setup_figures(rs: list[dict], batch: int, prompt_len: int) -> dict:
         "relative_decode": max(r.get("decode_relative", 0.0) for r in rs),
         "load_s": max(r.get("load_s", 0.0) for r in rs),
     }
+    if m.get("e2e_s"):  # end to end: `generate()` from the prompt to e2e_tokens new tokens, the slowest rank
+        e2e, ttft = spread(_slowest([r["e2e_s"] for r in rs])), spread(_slowest([r["ttft_s"] for r in rs]))
+        figures["e2e"] = {"new_tokens": m["e2e_tokens"], "total": e2e, "ttft": ttft,
+                          "tokens_per_s": batch * m["e2e_tokens"] / e2e["median"] if e2e["median"] else None}
     total = sum(r.get("tokens_total", 0) for r in rs[:1])
     figures["token_agreement"] = rs[0]["tokens_agree"] / total if total else None
     if m.get("note"):
@@ -192,6 +197,10 @@ def ratios(b: dict, other: dict) -> dict:
         "prefill_median": _ratio(b["prefill"]["median"], other["prefill"]["median"]),
         "expert_bytes": _ratio(b["param_bytes_per_rank"]["experts"], other["param_bytes_per_rank"]["experts"]),
         "rest_bytes": _ratio(b["param_bytes_per_rank"]["rest"], other["param_bytes_per_rank"]["rest"]),
+        "e2e_median": _ratio(b["e2e"]["total"]["median"], other["e2e"]["total"]["median"])
+        if "e2e" in b and "e2e" in other else None,
+        "ttft_median": _ratio(b["e2e"]["ttft"]["median"], other["e2e"]["ttft"]["median"])
+        if "e2e" in b and "e2e" in other else None,
     }
 
 
@@ -210,7 +219,7 @@ def summarise_ab(per_rank: list[dict], shape: dict) -> dict:
         "prompt_len": prompt_len,
         "dtype": first.get("dtype", "float32"),
         "num_layers": first["num_layers"],
-        "moe_layers": first["codegen"]["moe_blocks"],
+        "moe_layers": next(first[m]["moe_blocks"] for m in ("codegen", "single") if "moe_blocks" in first.get(m, {})),
         "load_peak_bytes": first["full_bytes"],
         "rss_peak_bytes_per_rank": max((r.get("rss_peak_bytes") or 0) for r in per_rank) or None,
         "reference": {
@@ -219,13 +228,13 @@ def summarise_ab(per_rank: list[dict], shape: dict) -> dict:
             "single_process_error": reference.get("baseline"),
         },
     }
-    for mode in ("stock", "codegen", "native"):
+    for mode in ("stock", "codegen", "native", "single"):
         if mode not in first:
             continue
         rs = [r[mode] for r in per_rank]
         entry[mode] = {"mode": mode, "crashed": crashed(rs)} if crashed(rs) else _setup_figures(rs, batch, prompt_len)
-    if "stock" in entry:
+    if "stock" in entry and "codegen" in entry:
         entry["ratio_b_over_a"] = ratios(entry["codegen"], entry["stock"])
-    if "native" in entry:
+    if "native" in entry and "codegen" in entry:
         entry["ratio_b_over_d"] = ratios(entry["codegen"], entry["native"])
     return entry

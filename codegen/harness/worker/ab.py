@@ -1,12 +1,15 @@
 """The bench's phase: the job's setups loaded side by side on the same ranks, every timed unit run by each in turn.
 
 Setups: (a) stock DeepSpeed AutoTP on the unpatched dir, (b) the patched dir under its policy, (d) transformers'
-native TP (`tp_plan="auto"`), as `options.setups` asks. Every timed unit (a prefill, a decode step) is run by
+native TP (`tp_plan="auto"`), (e) the unpatched model in one process (a launch of one rank), as `options.setups`
+asks. Every timed unit (a prefill, a decode step) is run by
 each setup in a rotating order (ABBA generalised), each after a barrier; decode steps are fed the reference's
 greedy tokens (teacher forcing), so every setup decodes the same sequence. Per unit: time, logits vs the
 float32 reference (absolute and relative) and greedy agreement. Collectives are counted in passes of their
 own (counting at the dispatcher costs Python time on every op, which a timed unit must not pay): the
 prefill, and the first COUNTED_DECODE_STEPS decode steps from a fresh cache, per setup and per MoE block.
+Last, end to end: `generate()` from the prompt to `e2e_tokens` greedy tokens (time to first token and total), the
+figure that means the same for every setup and for other engines.
 Stock and native are comparisons: a crash while loading or on the first forward is recorded and the others
 run on.
 """
@@ -74,7 +77,7 @@ def measure_ab(run: Run, job: dict, opts: dict, ids, ref: Reference) -> dict:
     name = job["name"]
     run.say(f"{name}: loading {', '.join(LABELS[m] for m in wanted)} on {run.tp} ranks ({run.dtype_name})")
     models, record, crashes = _load_setups(run, job, opts, ids, wanted)
-    order_base = [m for m in ("stock", "codegen", "native") if m in models]
+    order_base = [m for m in ("stock", "codegen", "native", "single") if m in models]
     block_counts, gather_counts, hooks = {}, {}, []
     for mode, model in models.items():
         blocks = moe_blocks(model)
@@ -159,10 +162,24 @@ def measure_ab(run: Run, job: dict, opts: dict, ids, ref: Reference) -> dict:
                 r["tokens_total"] += total
                 if k >= warmup:
                     r["decode_s"].append(elapsed)
+        caches.clear()
+        new_tokens = opts.get("e2e_tokens", 0)
+        if new_tokens:
+            run.say(f"{name}: end-to-end greedy generation, {new_tokens} new tokens x {opts['e2e_repeats']}, "
+                    "setups alternating")
+            for mode in models:
+                record[mode].update(e2e_s=[], ttft_s=[])
+            for k in range(opts["e2e_repeats"]):
+                for mode in rotation(order_base, k):
+                    dist.barrier()
+                    ttft, total = generation_times(models[mode], ids, new_tokens, run)
+                    record[mode]["e2e_s"].append(total)
+                    record[mode]["ttft_s"].append(ttft)
+            for mode in models:
+                record[mode]["e2e_tokens"] = new_tokens
     for h in hooks:
         h.remove()
     models.clear()
-    caches.clear()
     gc.collect()
     for mode, crash in crashes.items():
         record[mode] = {"mode": mode, "crashed": crash}
@@ -170,6 +187,34 @@ def measure_ab(run: Run, job: dict, opts: dict, ids, ref: Reference) -> dict:
             "dtype": run.dtype_name, "rss_peak_bytes": rss_peak(),
             "reference": {"prefill_s": ref.prefill_s, "decode_s": ref.decode_s[warmup:],
                           "baseline": ref.baseline}}
+
+
+class _FirstToken:
+    """A logits processor that only notes when it is first called: the prompt's forward is done, the first new
+    token is being chosen (time to first token; any batch size, unlike a streamer)."""
+
+    def __init__(self, run: Run) -> None:
+        self.run, self.at = run, None
+
+    def __call__(self, input_ids, scores):
+        if self.at is None:
+            self.run.sync()
+            self.at = time.perf_counter()
+        return scores
+
+
+def generation_times(model, ids, new_tokens: int, run: Run) -> tuple[float, float]:
+    """(time to first token, total) of `generate`: prompt in, `new_tokens` greedy tokens out, EOS ignored."""
+    from transformers import LogitsProcessorList
+
+    first = _FirstToken(run)
+    run.sync()
+    t0 = time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                   do_sample=False, logits_processor=LogitsProcessorList([first]), pad_token_id=0)
+    run.sync()
+    total = time.perf_counter() - t0
+    return (first.at - t0 if first.at is not None else total), total
 
 
 def rss_peak() -> int | None:

@@ -13,7 +13,8 @@ from codegen.models import has_remote_code, load, load_policy
 from codegen.harness.worker.protocol import PROGRESS
 
 #: how progress lines name each setup of the ab phase
-LABELS = {"stock": "(a) stock AutoTP", "codegen": "(b) codegen", "native": "(d) transformers native TP"}
+LABELS = {"stock": "(a) stock AutoTP", "codegen": "(b) codegen", "native": "(d) transformers native TP",
+          "single": "(e) one process, all cores"}
 
 
 class Run:
@@ -53,6 +54,8 @@ class Run:
             return policy.init_inference(model, tp_size=self.tp, **extra, **dtype).module
         if phase == "native":  # transformers' own TP plan over the same ranks (loads each rank's shard)
             return load(job["reference"], has_remote_code(job["reference"]), self.dtype, tp_plan="auto")
+        if phase == "single":  # the unpatched model in this one process (a launch of one rank, every core)
+            return load(job["reference"], has_remote_code(job["reference"]), self.dtype)
         if phase == "stock":
             model = load(job["reference"], has_remote_code(job["reference"]), self.dtype)
             return deepspeed.init_inference(model, tensor_parallel={"tp_size": self.tp, **grain}, dtype=self.dtype,

