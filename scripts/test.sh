@@ -8,7 +8,7 @@
 #     DeepSpeed 0.16.9 (the oldest the policy supports, constraints/deepspeed-oldest.txt) on 4.57.6: the policy runtime,
 #       its TP runs on real ranks and the shared-memory cleanup.
 #   bash scripts/test.sh --fast   the fast tier, for checking a change: every test that launches no ranks and starts
-#     no process, in the latest environment (.venv, set up by a first full run), on 2 workers (under a minute).
+#     no process, in the latest environment (.venv, set up by a first full run), on 2 workers (about 3 minutes).
 # In each environment the tests that start no ranks run on 2 pytest-xdist workers; the rank launches run one at a
 # time afterwards (two DeepSpeed CPU jobs at once on one host crash each other's runs).
 # Caches shared by every clone (~/.cache/codegen, or $CODEGEN_CACHE): the pinned upstream wheels

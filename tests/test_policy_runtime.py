@@ -1271,3 +1271,56 @@ def test_deepspeeds_parse_covers_every_kind_of_hybrid_layer():
     fixed = rt.row_layer_policy(model, [], {"experts": "experts", "per_expert": {"down": "down_proj"}}, FirstOnly)
     assert fixed == {Layer: (".mlp.down_proj", ".self_attn.o_proj")}
     assert list(model.layers._modules) == order  # the layers are back in their order
+
+
+# --------------------------------------------- transformers' experts implementations on codegen's shards
+
+
+def _experts_implementations() -> list[str]:
+    """The experts implementations the installed transformers offers besides its eager loop (5.x)."""
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:
+        return []
+    return sorted(ALL_EXPERTS_FUNCTIONS.keys())
+
+
+def test_transformers_experts_implementations_run_on_codegens_shards():
+    """transformers 5.x dispatches a fused experts module to `grouped_mm` / `batched_mm` by its config: on the
+    policy's shards (1/tp of every expert's intermediate width) each runs, and the ranks' partial outputs add up to
+    the unsharded module's (so `from_pretrained(..., experts_implementation=...)` composes with the policy)."""
+    import importlib
+
+    from codegen.harness.examples import example_config, installed_families
+
+    implementations = _experts_implementations()
+    family = "qwen3_moe"
+    if family not in installed_families() or not implementations:  # 4.x: experts are per-expert MLPs
+        import transformers
+
+        assert int(transformers.__version__.split(".")[0]) < 5
+        return
+    assert {"grouped_mm", "batched_mm"} <= set(implementations)
+    row = FAMILIES[family]
+    config = example_config(family)
+    module = importlib.import_module(row.builtin_module)
+    experts = getattr(module, next(n for n in dir(module) if n.endswith("Experts") and n.startswith("Qwen3Moe")))(
+        config)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.2)
+    tokens = torch.randn(12, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    index = torch.randint(0, config.num_experts, (12, 2), generator=torch.Generator().manual_seed(2))
+    weights = torch.rand(12, 2, generator=torch.Generator().manual_seed(3))
+    fused = row.policy_layout()["fused"]
+    for implementation in ("eager", "grouped_mm", "batched_mm"):
+        config._experts_implementation = implementation
+        with torch.no_grad():
+            whole = experts(tokens, index, weights)
+            total = torch.zeros_like(whole)
+            for rank in range(2):
+                shard = copy.deepcopy(experts)
+                rt.shard_fused_experts(shard, "mlp.experts", rank, 2, fused)
+                total += shard(tokens, index, weights)
+        assert (total - whole).abs().max().item() < 1e-5, implementation

@@ -327,7 +327,7 @@ def test_source_hints_for_modular_files_and_config_paths(tmp_path):
     assert r.returncode == 2 and "pass the directory that holds it" in _one_line(r)
 
 
-@pytest.mark.parametrize("model_type, nearest", [("qwen3_next", "qwen3_moe"), ("qwen2moe", "qwen2_moe"),
+@pytest.mark.parametrize("model_type, nearest", [("qwen3_omni_moe", "qwen3_moe"), ("qwen2moe", "qwen2_moe"),
                                                  ("llama", None)])
 def test_unsupported_model_type_names_the_nearest_family_and_stock_autotp(tmp_path, model_type, nearest):
     d = tmp_path / "m"

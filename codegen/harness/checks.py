@@ -156,9 +156,13 @@ def ab_problems(family: str, e: dict, tolerance: float | None = TOLERANCE) -> li
             found.append(f"{family}: {mode} all-reduce counts differ between ranks")
     worst = max(b["maxdiff_prefill"], b["maxdiff_decode"])
     if e.get("dtype", "float32") == "float32":
-        if not within_tolerance(worst, tolerance):
+        # absolute, or relative to the logits where they are large: a 128-token float32 prefill through a chunked
+        # linear-attention recurrence (toy Qwen3.5: |logits| up to ~8) rounds to 1.2-1.5e-5 in any tensor-parallel
+        # order (transformers' native TP: 1.4e-5), i.e. 1.5e-6 relative; a sharding bug is of order 1e-1
+        relative = max(b.get("relative_prefill", worst), b.get("relative_decode", worst))
+        if not within_tolerance(worst, tolerance) and not within_tolerance(relative, tolerance):
             found.append(f"{family}: codegen logits differ from the single-process model by {worst:.2e} "
-                         f"> {tolerance:g}")
+                         f"(relative {relative:.2e}) > {tolerance:g}")
         return found
     limit = low_precision_limit(e["reference"].get("single_process_error"))
     relative = max(b["relative_prefill"], b["relative_decode"])

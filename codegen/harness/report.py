@@ -211,7 +211,8 @@ def _machine_line(rec: dict) -> str:
     before, after = m.get("loadavg_1min_before_ranks"), m.get("loadavg_1min_after_ranks")
     if before is not None and after is not None:
         notes.append(f"1-min load average {before:.1f} → {after:.1f} on {m['cores']} cores")
-    return (f"transformers {m['transformers']}: {m['cpu']}, {m['cores']} cores, {ram}{gpu}, {m['os']}, "
+    flags = f" ({' '.join(m['cpu_flags'])})" if m.get("cpu_flags") else ""
+    return (f"transformers {m['transformers']}: {m['cpu']}{flags}, {m['cores']} cores, {ram}{gpu}, {m['os']}, "
             f"Python {m['python']}, torch {m['torch']}, deepspeed {m['deepspeed']}; {'; '.join(notes)}")
 
 

@@ -59,6 +59,11 @@ def record(command: str, kind: str, *, device: str, tp: int, world_size: int, dt
     return out
 
 
+#: the CPU features that decide which kernels run (vLLM's shared-memory all-reduce and bf16 paths, oneDNN's):
+#: recorded with every run, since rows of different machines do not compare
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "fma")
+
+
 def machine_info(device: str) -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -69,11 +74,14 @@ def machine_info(device: str) -> dict:
             return None
 
     cpu = platform.processor() or platform.machine()
+    flags: list[str] = []
     try:
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
         for line in lscpu.splitlines():
             if line.startswith("Model name:"):
                 cpu = line.split(":", 1)[1].strip()
+            if line.startswith("Flags:"):
+                flags = [f for f in line.split(":", 1)[1].split() if f in CPU_FLAGS]
     except (OSError, subprocess.TimeoutExpired):
         pass
     ram = None
@@ -85,6 +93,7 @@ def machine_info(device: str) -> dict:
         pass
     return {
         "cpu": cpu,
+        "cpu_flags": flags,
         "cores": os.cpu_count(),
         "ram_bytes": ram,
         "os": f"{platform.system()} {platform.release()}",
