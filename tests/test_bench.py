@@ -298,6 +298,10 @@ def test_vllm_crash_line_is_the_root_cause_not_the_engines_pointer():
     ])
     assert _crash_line(log) == "RuntimeError: Unsupported CPU attention configuration: head_dim=16"
     assert _crash_line("") == "no output"
+    pydantic = ("pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig\n"
+                "  Value error, Model architectures ['X'] failed to be inspected.\n")
+    assert _crash_line(pydantic) == ("ValidationError: 1 validation error for ModelConfig: Value error, Model "
+                                     "architectures ['X'] failed to be inspected.")
 
 
 def test_vllm_threads_are_bound_as_the_ranks_split_the_cores(monkeypatch):

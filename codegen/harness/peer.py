@@ -137,6 +137,8 @@ def run_peer(kind: str, tp: int, dtype: str, root: Path, progress: Progress) -> 
         result = json.loads(out_path.read_text()) if out_path.exists() else {}
         version = result.get("vllm", version)
         figures = result.get("jobs", {}).get(family) or {"crashed": _crash_line(log)}
+        if any(p in figures.get("crashed", "") for p in _POINTERS):  # the engine's pointer: its log has the cause
+            figures = {"crashed": _crash_line(log)}
         for batch in settings["batches"]:
             entry = figures.get(str(batch)) if "crashed" not in figures else figures
             rows.append({"family": family, "label": label(family), "size": settings["size"], "dtype": dtype,
@@ -160,8 +162,16 @@ _POINTERS = ("stack trace", "root cause")
 def _crash_line(log: str) -> str:
     """The root cause of a run that wrote no figures: vLLM's first exception line logged as an error that is not a
     pointer to another (its engine re-raises a worker's error as `EngineDeadError: ... see the stack trace above`)."""
-    errors = [line for line in log.splitlines() if " ERROR " in line] or log.splitlines()  # not a warning's trace
-    found = [m.group(1) + ": " + m.group(2).strip() for m in map(_EXCEPTION.search, errors) if m]
+    lines = log.splitlines()
+    errors = [line for line in lines if " ERROR " in line] or lines  # not a warning's trace
+    found = []
+    for line in errors:
+        m = _EXCEPTION.search(line)
+        if m:
+            text = m.group(1) + ": " + m.group(2).strip()
+            if "validation error" in text and line in lines and lines.index(line) + 1 < len(lines):
+                text += ": " + lines[lines.index(line) + 1].strip()  # pydantic puts the reason on the next line
+            found.append(text)
     causes = [line for line in found if not any(p in line for p in _POINTERS)]
-    lines = [line.strip() for line in log.splitlines() if line.strip()]
-    return (causes or found or lines[-1:] or ["no output"])[0][:300]
+    rest = [line.strip() for line in lines if line.strip()]
+    return (causes or found or rest[-1:] or ["no output"])[0][:300]
