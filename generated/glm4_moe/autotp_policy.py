@@ -39,7 +39,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'glm4_moe', 'moe_classes': ['Glm4MoeMoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': ''}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_glm4_moe'
-RUNTIME_SHA256 = 'ebd62f7cb488b611faacaaf70dfba8a5dd41adf458232f983ea6c52c8d00a582'
+RUNTIME_SHA256 = 'b79e9ec464996126916b732b82d002fa72eeef4ac50446b77af310c7f655e21e'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -1394,13 +1394,13 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
     column = lookup(deepspeed, "module_inject.layers.LinearLayer")
     row = lookup(deepspeed, "module_inject.layers.LinearAllreduce")
     rank = dist.get_rank(group=group)
+    reducer = CoalescedAllReduce(dist, group, world)  # the one group reduction: linear attention's and the MoE blocks'
     if world > 1:  # knob on or off: attention would mix this rank's heads with every head's parameters
         shard_head_params(owners, dist, group, rank, world, column)
         slice_full_width_norms(norm_owners, dist, group, rank, world, column)
         slice_head_linears(linear_owners, dist, group, rank, world, column)
-        shard_linear_attention(mixers, layout, rank, world, CoalescedAllReduce(dist, group, world))
+        shard_linear_attention(mixers, layout, rank, world, reducer)
     if coalesce and world > 1:
-        reducer = CoalescedAllReduce(dist, group, world)
         for name, block in blocks:
             shard_experts(block, name, rank, world, layout, column, row)
             setattr(block, REDUCER_ATTR, reducer)

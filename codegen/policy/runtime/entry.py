@@ -111,13 +111,13 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
     column = lookup(deepspeed, "module_inject.layers.LinearLayer")
     row = lookup(deepspeed, "module_inject.layers.LinearAllreduce")
     rank = dist.get_rank(group=group)
+    reducer = CoalescedAllReduce(dist, group, world)  # the one group reduction: linear attention's and the MoE blocks'
     if world > 1:  # knob on or off: attention would mix this rank's heads with every head's parameters
         shard_head_params(owners, dist, group, rank, world, column)
         slice_full_width_norms(norm_owners, dist, group, rank, world, column)
         slice_head_linears(linear_owners, dist, group, rank, world, column)
-        shard_linear_attention(mixers, layout, rank, world, CoalescedAllReduce(dist, group, world))
+        shard_linear_attention(mixers, layout, rank, world, reducer)
     if coalesce and world > 1:
-        reducer = CoalescedAllReduce(dist, group, world)
         for name, block in blocks:
             shard_experts(block, name, rank, world, layout, column, row)
             setattr(block, REDUCER_ATTR, reducer)
