@@ -109,7 +109,8 @@ def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmark stock AutoTP (a) and transformers native TP (d) vs the patched dir (b)")
     p.add_argument("--smoke", action="store_true", help="CI-sized run: tiny models, batch 1, counts only")
     p.add_argument("--size", choices=("toy", "full"), default="toy",
-                   help="toy: scaled-down widths (default, 5-10 min here); full: the published widths, 2 layers (10-17 min)")
+                   help="toy: scaled-down widths (default, about 15 min on 2 cores); full: the published widths, "
+                        "2 layers (about 25 min)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"),
                    help="weights and activations of (a), (b), (d) (default: float32 on CPU, bfloat16 on CUDA); "
                         "the reference (c) is always float32")

@@ -1234,7 +1234,10 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "minimax": Unsupported(NOT_YET, "lightning attention: a norm over all heads and per-head decay buffers from the "
                                     "global head count: needs another kind"),
     **{t: Unsupported(NOT_YET, "attention with per-head short convolutions and nested projections: needs an "
-                               "attention kind") for t in ("inkling", "inkling2", "inkling2_loop")},
+                               "attention kind")
+       # the model types their config.json files carry (the folders are inkling, inkling2, inkling2_loop)
+       for t in ("inkling_mm_model", "inkling_text", "inkling2", "inkling2_text", "inkling2_loop",
+                 "inkling2_loop_text")},
     "zaya": Unsupported(NOT_YET, "CCA attention (grouped conv, key residual averaged over a group's query heads): "
                                  "needs its own kind, exact only up to tp = num_key_value_heads"),
     **{t: Unsupported(NOT_YET, "a multimodal wrapper over a text MoE, not verified yet") for t in (

@@ -325,13 +325,18 @@ def test_vllm_prompts_are_the_bench_workers_prompts():
 
 def test_merge_joins_a_peer_record_to_the_rows_it_ran_beside(tmp_path):
     from codegen.harness.report import PEER, markdown, merge
+    from codegen.harness.results import peer_figures
 
     latest = max(RECORDED, key=lambda p: "5." in p.name)
     rows = json.loads(latest.read_text())["rows"]
+    # the runner's flat timings (16 new tokens: 0.5 s to the first, 2.0 s to the last), as peer.py records them
+    runner = {"e2e_s": [1.9, 2.0, 2.1], "ttft_s": [0.5, 0.5, 0.6], "new_tokens": 16, "load_s": 90.0}
     peer_rows = [{"family": r["family"], "size": r["size"], "dtype": r["dtype"], "batch": r["batch"],
-                  "e2e_median_s": 2.0, "ttft_median_s": 0.5, "decode_step_s": 0.1, "e2e_tokens_per_s": 8.0 * r["batch"]}
-                 for r in rows[:1]] + [{**{k: rows[1][k] for k in ("family", "size", "dtype", "batch")},
-                                        "crashed": "RuntimeError: Unsupported CPU attention configuration"}]
+                  **peer_figures(runner, r["batch"])} for r in rows[:1]] + [
+        {**{k: rows[1][k] for k in ("family", "size", "dtype", "batch")},
+         **peer_figures({"crashed": "RuntimeError: Unsupported CPU attention configuration"}, rows[1]["batch"])}]
+    assert peer_rows[0]["decode"]["median"] == pytest.approx(0.1)
+    assert peer_rows[0]["e2e"]["tokens_per_s"] == pytest.approx(8.0 * rows[0]["batch"])
     (tmp_path / "peer-vllm-x.json").write_text(json.dumps({"peer": PEER, "rows": peer_rows}))
     merged = merge([latest, tmp_path / "peer-vllm-x.json"])
     joined = [row for run in merged["runs"] for row in run["rows"] if PEER in row]
@@ -340,6 +345,27 @@ def test_merge_joins_a_peer_record_to_the_rows_it_ran_beside(tmp_path):
     assert "b/v decode, e2e" in table and " / crash |" in table
     b = rows[0]["codegen"]["decode"]["median"]
     assert f"{b / 0.1:.2f}×" in table
+
+
+def test_not_fastest_lists_every_cell_another_setup_wins():
+    """The list the README and the closing note quote: each row's setups that took less time than codegen, by the
+    bench's own ratio where it has one (a setup timed beside another (b) run), else the medians (the peer)."""
+    from codegen.harness.report import NOT_FASTEST, PEER, markdown, merge, not_fastest
+
+    def figures(decode, prefill, e2e):
+        return {"decode": {"median": decode}, "prefill": {"median": prefill}, "e2e": {"total": {"median": e2e}}}
+
+    row = {"family": "qwen3_moe", "size": "bench", "dtype": "float32", "batch": 16,
+           "codegen": figures(2.0, 1.0, 4.0), "single": figures(1.0, 1.0, 4.2),
+           "native": figures(9.0, 9.0, 9.0), "ratio_b_over_d": {"decode_median": 1.04, "prefill_median": 0.5},
+           "stock": {"crashed": "RuntimeError: x"}, PEER: figures(2.5, None, 2.0)}
+    record = {"machine": {"transformers": "5.24.0"}, "rows": [row]}
+    assert not_fastest([record]) == ["- Qwen3-30B-A3B-like, toy, transformers 5.24.0, float32, batch 16: "
+                                     "(d) decode 1.04×; (e) decode 2.00×; (v) end to end 2.00×"]
+    row["codegen"] = figures(1.0, 1.0, 1.0)
+    row.pop("ratio_b_over_d")
+    assert not_fastest([record]) == []
+    assert NOT_FASTEST in markdown(merge(RECORDED + PEERS))
 
 
 # ------------------------------------------------------------------ report, merge, chart: the recorded runs

@@ -378,6 +378,22 @@ def test_cache_dir_default_and_override(monkeypatch, tmp_path) -> None:
     assert upstream.cache_dir() == Path.home() / ".cache" / "codegen" / "upstream"
 
 
+def test_every_table_key_is_a_model_type_transformers_writes() -> None:
+    """The table is looked up by a config.json's `model_type` (normalised): a key spelled by its folder name
+    (`inkling` for `inkling_mm_model`) would never match, and the refusal would lose its reason."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from codegen import support
+
+    if int(transformers.__version__.split(".")[0]) < 5:  # the 4.x mapping lacks the 2025-26 families
+        assert "qwen3_moe" in CONFIG_MAPPING_NAMES
+        return
+    known = {name.lower().replace("-", "_") for name in CONFIG_MAPPING_NAMES}
+    unknown = [name for name in (*FAMILIES, *support.UNSUPPORTED) if name not in known]  # aliases: hub-only types
+    assert unknown == [], unknown
+
+
 def test_readme_support_tables_are_the_family_table() -> None:
     """The README's support section is codegen.support's rendering of the table, byte for byte."""
     from codegen import support

@@ -24,7 +24,7 @@ from codegen.errors import VerifyFailed
 from codegen.harness.abrun import SETTINGS, families_of, label
 from codegen.harness.opcache import codegen_cache
 from codegen.harness.prepare import Progress, build_examples
-from codegen.harness.results import record as result_record
+from codegen.harness.results import peer_figures, record as result_record
 from codegen.ranks import last_error_line
 
 PEER = "vllm"
@@ -141,11 +141,12 @@ def run_peer(kind: str, tp: int, dtype: str, root: Path, progress: Progress) -> 
             figures = {"crashed": _crash_line(log)}
         for batch in settings["batches"]:
             entry = figures.get(str(batch)) if "crashed" not in figures else figures
+            row = peer_figures(entry or {"crashed": _crash_line(log)}, batch)
             rows.append({"family": family, "label": label(family), "size": settings["size"], "dtype": dtype,
-                         "batch": batch, **(entry or {"crashed": _crash_line(log)})})
-            progress(f"{family} batch {batch}: " + (f"crashed: {rows[-1]['crashed']}" if "crashed" in rows[-1] else
-                     f"{rows[-1]['e2e_tokens_per_s']:.1f} tokens/s end to end, TTFT "
-                     f"{rows[-1]['ttft_median_s'] * 1e3:.0f} ms"))
+                         "batch": batch, **row})
+            progress(f"{family} batch {batch}: " + (f"crashed: {row['crashed']}" if "crashed" in row else
+                     f"{row['e2e']['tokens_per_s']:.1f} tokens/s end to end, TTFT "
+                     f"{row['e2e']['ttft']['median'] * 1e3:.0f} ms"))
     record = result_record("bench", kind, device="cpu", tp=tp, world_size=tp, dtype=dtype, tolerance=None,
                            settings={k: v for k, v in settings.items() if k != "timeout"}, families=None,
                            problems=[], wall_s=time.monotonic() - started, rows=rows)

@@ -96,8 +96,8 @@ def _e2e_cells(row: dict, fmt) -> str:
         figures = row.get(mode)
         if mode == PEER and figures is None:
             continue
-        out.append("–" if figures is None or (mode != PEER and "e2e" not in figures and not crashed(figures))
-                   else "crash" if crashed(figures) else fmt(figures.get("e2e", figures)))
+        out.append("crash" if figures is not None and crashed(figures) else
+                   "–" if figures is None or "e2e" not in figures else fmt(figures["e2e"]))
     return " / ".join(out)
 
 
@@ -110,11 +110,49 @@ def _b_over(row: dict, mode: str) -> str:
     b, other = _present(row, "codegen"), row.get(mode)
     if b is None or other is None or crashed(other):
         return "–"
-    if mode == PEER:
-        decode, e2e = other.get("decode_step_s"), other.get("e2e_median_s")
-    else:
-        decode, e2e = other["decode"]["median"], other.get("e2e", {}).get("total", {}).get("median")
+    decode, e2e = other["decode"]["median"], other.get("e2e", {}).get("total", {}).get("median")
     return f"{_over(b['decode']['median'], decode)}, {_over(b.get('e2e', {}).get('total', {}).get('median'), e2e)}"
+
+
+#: the heading of the list of cells where another setup beat codegen (the README carries it under the table)
+NOT_FASTEST = "Where codegen is not fastest"
+
+
+def _time(figures: dict, phase: str) -> float | None:
+    """A setup's (or the peer's) median time of one phase: `decode` step, `prefill`, `e2e` (generate to N tokens)."""
+    if phase == "e2e":
+        return figures.get("e2e", {}).get("total", {}).get("median")
+    return figures.get(phase, {}).get("median")
+
+
+def not_fastest(records: list[dict]) -> list[str]:
+    """Every row and setup whose time is shorter than codegen's (b/x above 1.00× as printed), one line per row:
+    the closing note and the README name these cells, so they are listed from the records, not by hand."""
+    lines = []
+    for rec, row in _rows(records):
+        b = _present(row, "codegen")
+        if b is None or row.get("not_run"):
+            continue
+        found = []
+        for mode, letter in (*SETUP_ORDER, (PEER, "v")):
+            other = _present(row, mode) if mode != "codegen" else None
+            if other is None:
+                continue
+            # the bench's own ratio where it has one (a setup timed in another group than (b)'s main one is
+            # compared with the (b) run beside it), else the two medians (the peer)
+            recorded = row.get(f"ratio_b_over_{letter}") or {}
+            worse = []
+            for phase, name in (("decode", "decode"), ("prefill", "prefill"), ("e2e", "end to end")):
+                mine, theirs = _time(b, phase), _time(other, phase)
+                ratio = recorded.get(f"{phase}_median", mine / theirs if mine and theirs else None)
+                if ratio is not None and round(ratio, 2) > 1.0:
+                    worse.append(f"{name} {ratio:.2f}×")
+            if worse:
+                found.append(f"({letter}) " + ", ".join(worse))
+        if found:
+            lines.append(f"- {label(row['family'])}, {size_name(row['size'])}, transformers "
+                         f"{rec['machine']['transformers']}, {row['dtype']}, batch {row['batch']}: " + "; ".join(found))
+    return lines
 
 
 def markdown(record_or_merged: dict) -> str:
@@ -167,11 +205,14 @@ def markdown(record_or_merged: dict) -> str:
             f"| {_cells(row, lambda f: format(f['prefill']['median'] * 1e3, '.0f'))} "
             f"| {_cells(row, lambda f: _mb(f['param_bytes_per_rank']['experts']))} "
             f"| {_cells(row, lambda f: _numerics(f, row['dtype']))}{_unsharded(row)} "
-            f"| {_e2e_cells(row, lambda e: format(e['tokens_per_s' if 'tokens_per_s' in e else 'e2e_tokens_per_s'], '.1f'))} "
-            f"| {_e2e_cells(row, lambda e: format((e['ttft']['median'] if 'ttft' in e else e['ttft_median_s']) * 1e3, '.0f'))} "
+            f"| {_e2e_cells(row, lambda e: format(e['tokens_per_s'], '.1f'))} "
+            f"| {_e2e_cells(row, lambda e: format(e['ttft']['median'] * 1e3, '.0f'))} "
             f"| {_ratio_cell(row, 'ratio_b_over_a')} | {_ratio_cell(row, 'ratio_b_over_d')} | {_b_over(row, 'single')} |"
             + (f" {_b_over(row, PEER)} |" if peers else "")
         )
+    slower = not_fastest(records)
+    lines += ["", f"{NOT_FASTEST} (b/x > 1.00×: setup x took less time than codegen; the reasons: "
+              "docs/benchmark.md):", ""] + (slower or ["- none"])
     if notes:
         lines += ["", "Notes (the rows each holds for):", ""]
         lines += [f"- {text} ({'; '.join(where)})" for text, where in notes.items()]
@@ -311,11 +352,14 @@ README_END = "<!-- /bench-table -->"
 
 
 def results_table(text: str) -> str:
-    """The main table of `markdown()`'s output: its header row through its last row."""
+    """The main table of `markdown()`'s output (its header row through its last row) and the list of cells where
+    codegen is not fastest."""
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("| model |"))
     end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
-    return "\n".join(lines[start:end]) + "\n"
+    listed = next(i for i in range(end, len(lines)) if lines[i].startswith(NOT_FASTEST))
+    last = next((i for i in range(listed + 2, len(lines)) if not lines[i].startswith("- ")), len(lines))
+    return "\n".join(lines[start:end] + [""] + lines[listed:last]) + "\n"
 
 
 def splice_readme(path: Path, text: str) -> None:

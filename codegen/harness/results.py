@@ -143,6 +143,22 @@ def _ratio(b: float, a: float) -> float | None:
     return b / a if a else None
 
 
+def peer_figures(raw: dict, batch: int) -> dict:
+    """A peer engine's per-batch figures (its runner's flat timings) in the shape of a bench setup's, so every
+    reader takes (v) as it takes (b) or (e): `decode.median` (vLLM: (end to end - TTFT) / (new tokens - 1), an
+    engine step with its scheduling and sampling) and `e2e` with `total`, `ttft` and `tokens_per_s`."""
+    if raw.get("crashed"):
+        return {"crashed": raw["crashed"]}
+    totals, ttfts, new = raw["e2e_s"], raw["ttft_s"], raw["new_tokens"]
+    e2e, ttft = spread(totals), spread(ttfts)
+    step = (e2e["median"] - ttft["median"]) / (new - 1) if new > 1 else None
+    return {"load_s": raw.get("load_s"),
+            "decode": {"median": step, "derived_from": "(e2e - ttft) / (new_tokens - 1)"},
+            "decode_tokens_per_s": batch / step if step else None,
+            "e2e": {"new_tokens": new, "total": e2e, "ttft": ttft,
+                    "tokens_per_s": batch * new / e2e["median"] if e2e["median"] else None}}
+
+
 def crashed(figures: dict | list) -> str | None:
     """The crash line of a phase's figures (one dict, or one per rank), None where it ran."""
     for r in figures if isinstance(figures, list) else [figures]:
