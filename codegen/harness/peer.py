@@ -166,12 +166,13 @@ def _crash_line(log: str) -> str:
     lines = log.splitlines()
     errors = [line for line in lines if " ERROR " in line] or lines  # not a warning's trace
     found = []
+    after = {line: lines[i + 1] for i, line in reversed(list(enumerate(lines[:-1])))}  # each line's first successor
     for line in errors:
         m = _EXCEPTION.search(line)
         if m:
             text = m.group(1) + ": " + m.group(2).strip()
-            if "validation error" in text and line in lines and lines.index(line) + 1 < len(lines):
-                text += ": " + lines[lines.index(line) + 1].strip()  # pydantic puts the reason on the next line
+            if "validation error" in text and line in after:
+                text += ": " + after[line].strip()  # pydantic puts the reason on the next line
             found.append(text)
     causes = [line for line in found if not any(p in line for p in _POINTERS)]
     rest = [line.strip() for line in lines if line.strip()]

@@ -101,28 +101,27 @@ def _e2e_cells(row: dict, fmt) -> str:
     return " / ".join(out)
 
 
+def _time(figures: dict, phase: str) -> float | None:
+    """A setup's (or the peer's) median time of one phase: `decode` step, `prefill`, `e2e` (generate to N tokens)."""
+    if phase == "e2e":
+        return figures.get("e2e", {}).get("total", {}).get("median")
+    return figures.get(phase, {}).get("median")
+
+
 def _over(b: float | None, other: float | None) -> str:
     return _fmt_ratio(b / other if b and other else None)
 
 
 def _b_over(row: dict, mode: str) -> str:
     """b / another setup or the peer: decode step time, end-to-end time (< 1: codegen faster)."""
-    b, other = _present(row, "codegen"), row.get(mode)
-    if b is None or other is None or crashed(other):
+    b, other = _present(row, "codegen"), _present(row, mode)
+    if b is None or other is None:
         return "–"
-    decode, e2e = other["decode"]["median"], other.get("e2e", {}).get("total", {}).get("median")
-    return f"{_over(b['decode']['median'], decode)}, {_over(b.get('e2e', {}).get('total', {}).get('median'), e2e)}"
+    return f"{_over(_time(b, 'decode'), _time(other, 'decode'))}, {_over(_time(b, 'e2e'), _time(other, 'e2e'))}"
 
 
 #: the heading of the list of cells where another setup beat codegen (the README carries it under the table)
 NOT_FASTEST = "Where codegen is not fastest"
-
-
-def _time(figures: dict, phase: str) -> float | None:
-    """A setup's (or the peer's) median time of one phase: `decode` step, `prefill`, `e2e` (generate to N tokens)."""
-    if phase == "e2e":
-        return figures.get("e2e", {}).get("total", {}).get("median")
-    return figures.get(phase, {}).get("median")
 
 
 def not_fastest(records: list[dict]) -> list[str]:
