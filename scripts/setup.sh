@@ -19,5 +19,14 @@ fi
 # pip writes the interpreter it runs under into every script it installs (torchrun, deepspeed): the venv's real
 # path, so a cached venv's scripts run from any clone that links it
 python="$(cd "$venv" && pwd -P)/bin/python"
+# a cached venv's scripts installed through an older setup carry the path they were installed through (another
+# clone's .venv): point every script's interpreter line at the real path too
+for script in "$(dirname "$python")"/*; do
+    [[ -f $script && ! -L $script ]] || continue
+    IFS= read -r first < "$script" || true
+    if [[ $first == '#!'*/bin/python* && $first != "#!$python" ]]; then
+        sed -i "1s|.*|#!$python|" "$script"
+    fi
+done
 "$python" -m pip install -q --disable-pip-version-check torch==2.13.0
 "$python" -m pip install -q --disable-pip-version-check -c "$constraints" -e ".[test]"
