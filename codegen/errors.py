@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-# Exit codes (documented in the README; stable, like black's).
+# Exit codes (TABLE below documents them; stable, like black's).
 OK = 0
 WOULD_CHANGE = 1  # patch --check: not patched / drifted / another transformers (--diff alone exits 0)
 BAD_INPUT = 2  # missing dir, bad config.json, unsupported model_type, bad config values, usage
@@ -15,18 +15,22 @@ INTERNAL = 70  # a bug in codegen
 INTERRUPTED = 130  # Ctrl-C: nothing half-written
 CLOSED_PIPE = 141  # stdout closed early (`... --diff | head`): output cut short, nothing else wrong
 
-#: the table `--help` and the README show
+#: the table `--help` prints and docs/usage.md carries (rendered by codegen.support; a test keeps them equal)
 TABLE = (
-    (OK, "done / up to date (also: --diff printed a diff)"),
-    (WOULD_CHANGE, "--check: not patched, edited, stale, or patched under another transformers"),
-    (BAD_INPUT, "bad input: missing dir, bad config.json, unsupported model_type, usage, hub id without --out"),
-    (BAD_SOURCE, "modeling source missing, not Python, or no recognisable MoE expert sum"),
+    (OK, "done / up to date; --diff exits 0 whether or not it printed a diff (--check --diff: 1 if not up to date)"),
+    (WOULD_CHANGE, "--check: not patched, edited, stale, patched under another transformers, or .codegen/ lost"),
+    (BAD_INPUT, "bad input: missing dir, bad config.json or values, unsupported model_type, usage, hub id without "
+                "--out, .codegen/ lost"),
+    (BAD_SOURCE, "modeling source missing, not Python, a modular_*.py, already patched, or no recognisable MoE "
+                 "expert sum"),
     (IO_FAILURE, "cannot write: permissions, disk full, locked by another run (nothing half-written)"),
     (USER_EDITS, "files edited since patching: re-run with --force to overwrite / discard them"),
     (VERIFY_FAILED, "verify / bench / demo: numerics or all-reduce counts off"),
     (SERVE_FAILED, "serve / generate: a rank failed (the line names it and why)"),
     (INTERNAL, "a bug in codegen (re-run with --debug for the traceback)"),
-    (CLOSED_PIPE, "stdout closed early (e.g. piped into head)"),
+    (INTERRUPTED, "interrupted (Ctrl-C, or SIGTERM to serve / generate): nothing half-written; serve / generate "
+                  "stop every rank"),
+    (CLOSED_PIPE, "stdout closed early (e.g. piped into head); nothing else went wrong"),
 )
 
 

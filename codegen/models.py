@@ -2,7 +2,8 @@
 
 The auto class is the one the dir's config names (its `auto_map`, else its model type's mapping) for the class the
 checkpoint was saved from (`architectures`), else the causal-LM class where there is one, else the
-image-text-to-text class of a multimodal wrapper. The dtype keyword is the
+image-text-to-text class of a multimodal wrapper; the causal-LM class first for a wrapper whose own forward does not
+run its text decoder (the family table's `Wrapper.runs_as_causal_lm`). The dtype keyword is the
 installed release's (`dtype` from 4.56, `torch_dtype` before). The dir's generated policy is imported as a module.
 """
 
@@ -59,12 +60,23 @@ def auto_class(directory: str | Path):
             found = getattr(modeling_auto, mappings[name], {}).get(config.get("model_type"))
         if found:
             classes[name] = found
+    if "AutoModelForCausalLM" in classes and _runs_as_causal_lm(config.get("model_type")):
+        return transformers.AutoModelForCausalLM
     # the class the checkpoint was saved from (a multimodal checkpoint that also loads text-only: the whole model)
     saved = (config.get("architectures") or [None])[0]
     for name, found in classes.items():
         if found == saved:
             return getattr(transformers, name)
     return getattr(transformers, next(iter(classes), "AutoModelForCausalLM"))
+
+
+def _runs_as_causal_lm(model_type) -> bool:
+    """A multimodal wrapper whose own forward does not run its text decoder (the family table says so)."""
+    from codegen.families import family_named, normalise_model_type
+
+    name = normalise_model_type(model_type)
+    wrapper = family_named(name).wrapper if name else None
+    return wrapper is not None and wrapper.runs_as_causal_lm
 
 
 def load(directory: str | Path, remote: bool, dtype, **extra):

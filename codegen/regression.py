@@ -11,7 +11,7 @@ dir and the modeling file is read out of the wheel, so the fetch does not depend
 Cache: `$CODEGEN_UPSTREAM_CACHE`, else `~/.cache/codegen/upstream` (a dir holding the pinned wheels works offline).
 The expected outputs come from the code path `patch` uses: `rewrite_modeling` (the libcst rewrite, helper block and
 version guard), and
-`render_policy` (codegen.policy.assemble).
+`family_policy` (codegen.patch.plan).
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ from codegen.errors import IOFailure
 from codegen.families import FAMILIES, Family
 from codegen.modeldir.layout import PATCHED_SUFFIX, POLICY_FILE
 from codegen.patch.config import restore_info
+from codegen.patch.plan import family_policy
 from codegen.patch.diff import text_diff
-from codegen.patch.rewrite import Rewrite, rewrite_modeling
+from codegen.patch.rewrite import Rewrite, SourceToRewrite, rewrite_modeling, rewrite_wrapper
 from codegen.patch.target import RewriteTarget
-from codegen.policy.assemble import render_policy
+from codegen.versions import is_legacy, newest
 
 ROOT = Path(__file__).resolve().parent.parent
 GENERATED = ROOT / "generated"
@@ -43,10 +44,14 @@ REGENERATE = "python -m codegen regression regenerate"
 #: Pinned transformers releases: version -> sha256 of `transformers-<version>-py3-none-any.whl` on PyPI.
 RELEASES: dict[str, str] = {
     "4.36.2": "462066c4f74ee52516f12890dcc9ec71d1a5e97998db621668455117a54330f6",  # first with mixtral
-    "4.45.0": "f04a82926676056afb3bbf4df7d76ceb1fc2b2746247a87f3f9be4674adc95d7",  # first with olmoe, qwen2_moe
+    "4.40.0": "92797ec3368ed4476a053529a4039a12ad09167d9e371981dda4afb4bdf590ac",  # first with jamba, dbrx, qwen2_moe
+    "4.45.0": "f04a82926676056afb3bbf4df7d76ceb1fc2b2746247a87f3f9be4674adc95d7",  # first with olmoe
     "4.45.2": "c551b33660cfc815bae1f9f097ecfd1e65be623f13c6ee0dda372bd881460210",
     "4.46.1": "f77b251a648fd32e3d14b5e7e27c913b7c29154940f519e4c8c3aa6061df0f05",  # first with phimoe (4.46.0 is yanked)
-    "4.51.3": "fd3279633ceb2b777013234bbf0b4f5c2d23c4626b05497691f00cfda55e8a83",  # first with qwen3_moe, deepseek_v3
+    "4.51.0": "2e6baa476735ab8adccbaee6961525a0d1ce8c21d49293af30ef5ee4b082f64d",  # first with llama4, qwen3_moe, deepseek_v3
+    "4.49.0": "6b4fded1c5fee04d384b1014495b4235a2b53c87503d7d592423c06128cbbe03",  # first with granitemoeshared
+    "4.51.3": "fd3279633ceb2b777013234bbf0b4f5c2d23c4626b05497691f00cfda55e8a83",  # the patch release most 4.51 users took
+    "4.52.1": "604b2bb357c480dc5883b7944e8562c967f6b06f63dfb6a1c4665d13d067148f",  # first listed with granitemoehybrid (4.52.0 is yanked)
     "4.53.0": "7d8039ff032c01a2d7f8a8fe0066620367003275f023815a966e62203f9f5dd7",  # first with dots1
     "4.54.0": "c96e607f848625965b76c677b2c2576f2c7b7097c1c5292b281919d90675a25e",  # first with ernie4_5_moe, deepseek_v2, glm4_moe
     "4.54.1": "c89965a4f62a0d07009d45927a9c6372848a02ab9ead9c318c3d082708bab529",  # the patch release deepseek_v2 and glm4_moe users took
@@ -58,13 +63,18 @@ RELEASES: dict[str, str] = {
     "5.1.0": "de534b50c9b2ce6217fc56421075a1734241fb40704fdc90f50f6a08fc533d59",  # first with exaone_moe
     "5.2.0": "9ecaf243dc45bee11a7d93f8caf03746accc0cb069181bbf4ad8566c53e854b4",  # first with glm_moe_dsa, qwen3_5_moe
     "5.4.0": "9fbe50602d2a4e6d0aa8a35a605433dfac72d595ee2192eae192590a6cc2df86",  # first with mistral4
+    "5.5.0": "821a9ff0961abbb29eb1eb686d78df1c85929fdf213a3fe49dc6bd94f9efa944",  # first with gemma4
+    "5.8.0": "e9d2cae6d195a7e1e05164c5ebf26142a7044e4dc4267274f4809204f92827e4",  # first with deepseek_v4
     "5.11.0": "06d0a34eab529955f8e704b530663c7d6bd6f9c7a9e47a05cddb4a44e7b6566b",  # first with deepseek_v32
     "5.13.0": "8adbc1d20bd5463cd6876b2eb7cb31971e1065788e7dc6bc12bab597a7c504b7",  # first with mimo_v2_flash, kimi_k25
     "5.16.0": "2b4adda8d99bb4c1b208da5ed967e2625ad449087827a750cb3b23ce4000b139",  # first with step3p7
+    "5.17.0": "78ec1ce21579b38dfb83950a0658cd119f87212a2fcfdff478096ce9d6c03801",  # first with kimi_linear, glm5_next
+    "5.20.0": "5f4afd201f9ae5118b006513a0f647962b531de5592043e558a66d326378685b",  # first with bailing_hybrid
+    "5.22.0": "3cca65f94b0aa33511433c7c1a661c513e4ad8bc0504cb370d181d771e7c9aa0",  # first with mistral_large4
     "5.24.0": "ff5ebedf9359f94bb63772b6380eba6e7104d010cbbb2cb82c788817ea7486f6",  # latest 5.x, the pinned one
 }
 #: the newest pinned release (the one the README's measured figures are from)
-LATEST = max(RELEASES, key=lambda v: tuple(int(p) for p in v.split(".")))
+LATEST = newest(RELEASES)
 
 
 @dataclass(frozen=True)
@@ -117,7 +127,7 @@ class Entry:
     @property
     def legacy(self) -> bool:
         """A transformers 4.x source (the family's Legacy names apply to its policy)."""
-        return self.release is not None and int(self.release.split(".")[0]) < 5
+        return is_legacy(self.release)
 
     @property
     def policy_path(self) -> Path:
@@ -282,16 +292,10 @@ class Result:
         return self.rewrite.code
 
 
-def target_of(entry: Entry, fused_text: bool | None = None) -> RewriteTarget:
-    """The rewrite target `patch` would build for the entry's source; for a wrapper with a text decoder module,
-    `fused_text` (its text module's rewrite found fused experts) makes it the wrapper's own module's target."""
-    family: Family = FAMILIES[entry.family]
-    display = f"{entry.path} ({entry.origin})"
-    if entry.text_path is None or fused_text is None:
-        return RewriteTarget(family, entry.package, entry.shipped_modules, display, entry.release)
-    text_module = entry.text_path.rsplit("/", 1)[-1].removesuffix(".py")
-    return RewriteTarget(family, entry.package, entry.shipped_modules | {text_module}, display, entry.release,
-                         moe_block=False, text_import=text_module, fused_text=fused_text)
+def target_of(entry: Entry) -> RewriteTarget:
+    """The rewrite target `patch` would build for the entry's source."""
+    return RewriteTarget(FAMILIES[entry.family], entry.package, entry.shipped_modules, f"{entry.path} ({entry.origin})",
+                         entry.release)
 
 
 def text_target_of(entry: Entry) -> RewriteTarget:
@@ -347,7 +351,7 @@ def _build(entry: Entry, cache: Path) -> Result:
     family = FAMILIES[entry.family]
     original = read_source(entry, cache)
     restore = restore_info(_stock_config(entry, family), family)
-    policy = policy_file(entry, render_policy(family, entry.module_name, entry.legacy))
+    policy = policy_file(entry, family_policy(family, entry.module_name, entry.legacy))
     if entry.text_path is None:
         rewrite = rewrite_modeling(original, target_of(entry), entry.release, restore)
         files = {repo_path(entry.diff_path): modeling_diff(entry, original, rewrite.code)}
@@ -355,8 +359,9 @@ def _build(entry: Entry, cache: Path) -> Result:
         return Result(entry, original, rewrite, files)
     # the MoE blocks are in the text decoder's module; the wrapper's own module builds it from there
     text = read_source(entry, cache, entry.text_path)
-    rewrite = rewrite_modeling(text, text_target_of(entry), entry.release, None)
-    wrapper = rewrite_modeling(original, target_of(entry, rewrite.fused_experts), entry.release, restore)
+    text_module = entry.text_path.rsplit("/", 1)[-1].removesuffix(".py")
+    rewrite, wrapper = rewrite_wrapper(SourceToRewrite(original, target_of(entry), entry.release),
+                                       SourceToRewrite(text, text_target_of(entry), entry.release), text_module, restore)
     files = {repo_path(entry.diff_path): modeling_diff(entry, original, wrapper.code),
              repo_path(entry.text_diff_path): modeling_diff(entry, text, rewrite.code, entry.text_path),
              repo_path(entry.policy_path): policy}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ast
 from importlib import resources
-from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -52,16 +51,12 @@ def _environment() -> jinja2.Environment:
 
 
 def _load_template(name: str) -> str:
-    # In a checkout (and an editable install) templates/ sits beside codegen/; a wheel ships it as
-    # the package `codegen.templates` (see pyproject.toml).
-    in_tree = Path(__file__).resolve().parent.parent / "templates" / name
-    if in_tree.is_file():
-        return in_tree.read_text(encoding="utf-8")
-    return resources.files("codegen.templates").joinpath(name).read_text(encoding="utf-8")
+    # package data of codegen (pyproject.toml), in a checkout and in an installed wheel alike
+    return resources.files("codegen").joinpath("templates", name).read_text(encoding="utf-8")
 
 
 def render(template: str, **values: Any) -> str:
-    """Render `templates/<template>` and check the result is valid Python before anyone writes it."""
+    """Render `codegen/templates/<template>` and check the result is valid Python before anyone writes it."""
     text = _environment().get_template(template).render(version=__version__, **values)
     ast.parse(text, filename=template)
     return text

@@ -7,8 +7,9 @@
 #       only, and the `once` tests exercise the harness itself: both run in the first env;
 #     DeepSpeed 0.16.9 (the oldest the policy supports, constraints/deepspeed-oldest.txt) on 4.57.6: the policy runtime,
 #       its TP runs on real ranks and the shared-memory cleanup.
-#   bash scripts/test.sh --fast   the fast tier, for checking a change: every test that launches no ranks and starts
-#     no process, in the latest environment (.venv, set up by a first full run), on 2 workers (about 3 minutes).
+#   bash scripts/test.sh --fast   the fast tier, for checking a change while editing: the tests marked `unit` (in-process,
+#     no subprocess, no ranks, no pinned wheels; every test carries exactly one tier marker, see pyproject.toml), in the
+#     latest environment (.venv, set up by a first full run), on 2 workers.
 # In each environment the tests that start no ranks run on 2 pytest-xdist workers; the rank launches run one at a
 # time afterwards (two DeepSpeed CPU jobs at once on one host crash each other's runs).
 # Caches shared by every clone (~/.cache/codegen, or $CODEGEN_CACHE): the pinned upstream wheels
@@ -23,7 +24,7 @@ parallel=(-n 2 --dist loadgroup)
 if [[ ${1:-} == --fast ]]; then
     shift
     [[ -x .venv/bin/python ]] || bash scripts/setup.sh .venv constraints/latest.txt
-    pytest .venv "${parallel[@]}" -m "not runtime and not cli and not process" "$@"
+    pytest .venv "${parallel[@]}" -m unit "$@"
     exit
 fi
 bash scripts/setup.sh .venv constraints/latest.txt

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from codegen.families import FAMILIES as _TABLE
+from codegen.families import STOCK_AUTOTP
 from codegen.harness.examples import installed_families
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,16 +22,29 @@ FAMILIES = installed_families()
 REMOTE_CODE_FIXTURES = {fixture: name for name, family in _TABLE.items() for fixture in family.remote_code_fixtures}
 #: families stock `deepspeed.init_inference` (AutoTP) crashes on, and the start of the crash line the harness
 #: records (the table's measured facts)
-STOCK_AUTOTP_CRASHES = {name: _TABLE[name].stock_autotp.crash for name in FAMILIES if _TABLE[name].stock_autotp.crash}
+STOCK_AUTOTP_CRASHES = {name: STOCK_AUTOTP[name].crash for name in FAMILIES if STOCK_AUTOTP[name].crash}
 #: regression tests whose answer depends on the installed transformers: they run in every environment
 #: (the rest of the regression matrix reads pinned wheels only and runs once, in the latest environment)
 PER_ENVIRONMENT_REGRESSION = ("test_patch_writes_what_generated_expects", "test_this_environment_resolves_a_pinned_release")
+
+
+#: what a test needs, exactly one per test (pyproject.toml describes each): `unit` is the fast tier
+#: (`bash scripts/test.sh --fast` selects it by name); scripts/test.sh picks the rest per environment
+TIERS = ("unit", "regression", "loader", "cli", "process", "runtime")
+
+
+def tiers_of(item) -> list[str]:
+    return [tier for tier in TIERS if item.get_closest_marker(tier) is not None]
 
 
 def pytest_collection_modifyitems(items) -> None:
     for item in items:
         if getattr(item, "originalname", item.name) in PER_ENVIRONMENT_REGRESSION:
             item.add_marker(pytest.mark.installed_transformers)
+    wrong = [f"{item.nodeid} ({', '.join(tiers_of(item)) or 'none'})" for item in items if len(tiers_of(item)) != 1]
+    if wrong:
+        raise pytest.UsageError(f"every test needs exactly one tier marker of {', '.join(TIERS)}; not: "
+                                + "; ".join(wrong[:10]))
 
 
 def run_codegen(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:

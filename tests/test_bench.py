@@ -284,6 +284,7 @@ def test_one_process_on_all_cores_and_end_to_end_generation_are_measured(smoke):
 # ------------------------------------------------------------------ the vLLM peer (units; the runs: docs/bench)
 
 
+@pytest.mark.unit
 def test_vllm_crash_line_is_the_root_cause_not_the_engines_pointer():
     from codegen.harness.peer import _crash_line
 
@@ -304,6 +305,7 @@ def test_vllm_crash_line_is_the_root_cause_not_the_engines_pointer():
                                      "architectures ['X'] failed to be inspected.")
 
 
+@pytest.mark.unit
 def test_vllm_threads_are_bound_as_the_ranks_split_the_cores(monkeypatch):
     from codegen.harness import peer
 
@@ -313,6 +315,7 @@ def test_vllm_threads_are_bound_as_the_ranks_split_the_cores(monkeypatch):
     assert peer.thread_binding(2) == "0-7|8-15" and peer.thread_binding(4) == "0-3|4-7|8-11|12-15"
 
 
+@pytest.mark.unit
 def test_vllm_prompts_are_the_bench_workers_prompts():
     """The peer feeds vLLM the very token ids the rank worker draws (codegen.harness.worker.main)."""
     import torch
@@ -323,6 +326,7 @@ def test_vllm_prompts_are_the_bench_workers_prompts():
                                                    ).tolist()
 
 
+@pytest.mark.unit
 def test_merge_joins_a_peer_record_to_the_rows_it_ran_beside(tmp_path):
     from codegen.harness.report import PEER, markdown, merge
     from codegen.harness.results import peer_figures
@@ -347,6 +351,7 @@ def test_merge_joins_a_peer_record_to_the_rows_it_ran_beside(tmp_path):
     assert f"{b / 0.1:.2f}×" in table
 
 
+@pytest.mark.unit
 def test_not_fastest_lists_every_cell_another_setup_wins():
     """The list the README and the closing note quote: each row's setups that took less time than codegen, by the
     bench's own ratio where it has one (a setup timed beside another (b) run), else the medians (the peer)."""
@@ -371,6 +376,7 @@ def test_not_fastest_lists_every_cell_another_setup_wins():
 # ------------------------------------------------------------------ report, merge, chart: the recorded runs
 
 
+@pytest.mark.unit
 def test_recorded_runs_are_there():
     """fp32 and bf16, toy and full widths, on transformers latest and 4.57.6 (docs/benchmark.md)."""
     runs = [json.loads(path.read_text()) for path in RECORDED]
@@ -380,6 +386,7 @@ def test_recorded_runs_are_there():
     assert all({r["batch"] for r in run["rows"]} == {1, 16} for run in runs)
 
 
+@pytest.mark.unit
 def test_markdown_table_of_the_recorded_runs():
     from codegen.harness.report import markdown, merge
 
@@ -388,14 +395,22 @@ def test_markdown_table_of_the_recorded_runs():
     assert {row["family"] for row in rows} <= set(FAMILIES)
     assert sum(line.startswith("| ") and " (" in line.split("|")[1] for line in table.splitlines()) == len(rows)
     assert "decode tokens/s" in table and "b/d decode, prefill" in table and "Runs:" in table
-    # the committed table is this code's output on the committed runs, and the README carries its main table
+    # the committed table is this code's output on the committed runs; docs/results.md carries its main table and
+    # the README a few rows (`bench --merge ... --readme README.md docs/results.md` regenerates both)
     assert table == (ROOT / "docs" / "bench" / "table.md").read_text()
-    from codegen.harness.report import README_END, README_START, results_table
+    from codegen import splice
+    from codegen.harness.report import MERGE, SUMMARY_END, SUMMARY_START, TABLE_END, TABLE_START, results_table, \
+        summary_table
 
+    results = (ROOT / "docs" / "results.md").read_text()
+    assert splice.section(results, TABLE_START, TABLE_END) == results_table(table), f"stale: run `{MERGE}`"
     readme = (ROOT / "README.md").read_text()
-    assert readme.split(README_START, 1)[1].split(README_END, 1)[0] == "\n" + results_table(table)
+    summary = splice.section(readme, SUMMARY_START, SUMMARY_END)
+    assert summary == summary_table(merge(RECORDED + PEERS)), f"stale: run `{MERGE}`"
+    assert summary.count("\n| ") >= 3  # a few rows, each a recorded row of the full table
 
 
+@pytest.mark.unit
 def test_recorded_runs_pass_the_bench_checks():
     from codegen.harness.bench import problems
 
@@ -449,6 +464,7 @@ def test_bad_tp_is_one_line():
 # ------------------------------------------------------------------ the pure parts: order, numerics, ratios
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("setups", [["stock", "codegen"], ["stock", "codegen", "native"]])
 def test_rotation_gives_every_setup_every_position_equally_often(setups):
     """ABBA generalised: over 2n units each setup runs first, middle and last equally often, and each pair
@@ -465,6 +481,7 @@ def test_rotation_gives_every_setup_every_position_equally_often(setups):
     assert rotation(["stock", "codegen"], 1) == ["codegen", "stock"]
 
 
+@pytest.mark.unit
 def test_relative_error_and_greedy_agreement():
     import torch
 
@@ -477,6 +494,7 @@ def test_relative_error_and_greedy_agreement():
     assert _agree(moved, ref) == (1, 2)
 
 
+@pytest.mark.unit
 def test_low_precision_limit_is_a_multiple_of_the_single_process_error():
     from codegen.harness.checks import LOW_PRECISION_FACTOR, ab_problems, low_precision_limit
 
@@ -494,6 +512,7 @@ def test_low_precision_limit_is_a_multiple_of_the_single_process_error():
     assert "5.00e-02 (relative) > 2.40e-02" in problem
 
 
+@pytest.mark.unit
 def test_ratios_are_b_over_the_other_setup_and_none_where_it_crashed():
     from codegen.harness.results import ratios, spread
 

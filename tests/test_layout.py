@@ -14,11 +14,17 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit  # in-process, no subprocess, no ranks: the fast tier
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "codegen"
 
 #: folder (or module) -> the codegen folders it may import, besides itself and the shared modules
-SHARED = {"codegen", "codegen.errors", "codegen.families", "codegen.render", "codegen.ranks", "codegen.models"}
+SHARED = {"codegen", "codegen.errors", "codegen.families", "codegen.render", "codegen.ranks", "codegen.models",
+          "codegen.versions", "codegen.rank_commands", "codegen.splice"}
+#: shared modules a folder still may not import: the policy ships into model dirs and takes the family's layout as
+#: plain data (the table imports the policy runtime's names, never the other way round)
+FORBIDDEN = {"codegen.policy": {"codegen.families"}}
 ALLOWED = {
     "codegen.policy": {"codegen.policy"},
     "codegen.modeldir": {"codegen.modeldir", "codegen.policy"},
@@ -61,7 +67,9 @@ def test_imports_flow_one_way(path):
     if allowed is None:
         return  # the CLI, the package itself, the shared modules
     known = {_module_name(p) for p in MODULES}
-    wrong = sorted(m for m in _imports(path) if m in known and m not in SHARED and _folder(m) not in allowed)
+    forbidden = FORBIDDEN.get(folder, set())
+    wrong = sorted(m for m in _imports(path) if m in known and (_folder(m) in forbidden or m in forbidden or (
+        m not in SHARED and _folder(m) not in allowed)))
     assert not wrong, f"{module} imports {wrong}, outside what {folder} may use ({sorted(allowed)})"
 
 
@@ -87,13 +95,38 @@ def test_the_fingerprint_covers_what_shapes_a_patched_dir_only(monkeypatch):
     covered = {p for root in plan.OUTPUT_CODE for p in ([root] if root.is_file() else root.rglob("*"))}
     assert harness_files and not covered & set(harness_files)
     assert PACKAGE / "patch" / "rewrite.py" in covered and PACKAGE / "policy" / "runtime" / "entry.py" in covered
-    # an example shape or a bench label is not output: the digest stays; a layout field is: it moves
-    row = families.FAMILIES["qwen2_moe"]
-    examples = dataclasses.replace(row.examples, tiny={**row.examples.tiny, "hidden_size": 128})
-    monkeypatch.setitem(families.FAMILIES, "qwen2_moe", dataclasses.replace(row, examples=examples, bench_label="x"))
+    # an example shape, a bench label or a stock figure is not output: the digest stays; a layout field is: it moves
+    examples = families.EXAMPLES["qwen2_moe"]
+    monkeypatch.setitem(families.EXAMPLES, "qwen2_moe", dataclasses.replace(
+        examples, tiny={**examples.tiny, "hidden_size": 128}, bench_label="x"))
+    monkeypatch.setitem(families.STOCK_AUTOTP, "qwen2_moe", families.StockAutoTP(crash="x"))
     plan.generator_digest.cache_clear()
     assert plan.generator_digest() == before
+    row = families.FAMILIES["qwen2_moe"]
     monkeypatch.setitem(families.FAMILIES, "qwen2_moe", dataclasses.replace(row, routers=("gate",)))
     plan.generator_digest.cache_clear()
     assert plan.generator_digest() != before
     plan.generator_digest.cache_clear()
+
+
+def _marks(nodes) -> set[str]:
+    """The `pytest.mark.<name>` names used in decorators or a `pytestmark = ...` value."""
+    return {n.attr for node in nodes for n in ast.walk(node)
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute) and n.value.attr == "mark"}
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "tests").glob("test_*.py")), ids=lambda p: p.name)
+def test_every_test_has_exactly_one_tier_marker(path):
+    """The fast tier is chosen by name (`-m unit`): a test that starts a process must say so, or it would run there."""
+    from conftest import TIERS
+
+    tree = ast.parse(path.read_text())
+    module = _marks(n.value for n in tree.body if isinstance(n, ast.Assign)
+                    and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in n.targets))
+    wrong = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"):
+            tiers = sorted((module | _marks(node.decorator_list)) & set(TIERS))
+            if len(tiers) != 1:
+                wrong[node.name] = tiers
+    assert not wrong, f"{path.name}: tests without exactly one tier marker of {TIERS}: {wrong}"

@@ -187,7 +187,8 @@ def test_a_multimodal_dir_also_loads_text_only_as_the_builtin_class_does(make_di
     from packaging.version import Version
 
     kinds = [f for f in FAMILIES if TABLE[f].wrapper is not None and TABLE[f].wrapper.causal_lm]
-    assert bool(kinds) == (Version(transformers.__version__) >= Version("5.2"))  # Qwen3.5-MoE from 5.2
+    assert ("qwen3_5_moe" in kinds) == (Version(transformers.__version__) >= Version("5.2"))  # Qwen3.5-MoE from 5.2
+    assert "llama4" in kinds  # Llama 4 from 4.51
     for kind in kinds:
         _loads_text_only(make_dir, kind)
 
@@ -197,8 +198,8 @@ def _loads_text_only(make_dir, kind: str) -> None:
 
     from codegen.families import KNOB
 
-    pristine = make_dir(kind, "pristine")
-    patched = make_dir(kind, "patched")
+    pristine = make_dir(kind, f"pristine-{kind}")
+    patched = make_dir(kind, f"patched-{kind}")
     api.patch(patched)
     kwargs = {dtype_keyword(): torch.float32, "output_loading_info": True}
     reference, _ = AutoModelForCausalLM.from_pretrained(pristine, **kwargs)

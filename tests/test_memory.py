@@ -12,7 +12,7 @@ import transformers
 from safetensors.torch import load_file
 
 from codegen.harness.examples import DTYPES, build_example, families_with, shape
-from codegen.families import FAMILIES
+from codegen.families import EXAMPLES, FAMILIES
 from codegen.harness.memory import (
     GIB,
     SAFETY_BYTES,
@@ -24,6 +24,8 @@ from codegen.harness.memory import (
     plan,
     required_bytes,
 )
+
+pytestmark = pytest.mark.unit  # in-process, no subprocess, no ranks: the fast tier
 
 TINY = families_with("tiny")
 
@@ -126,7 +128,7 @@ def test_every_row_divides_by_the_bench_tp_sizes(size):
 
     for family in families_with(size):
         values = shape(family, size)
-        published = json.loads((PUBLISHED / FAMILIES[family].examples.published).read_text()) if size == "full" else {}
+        published = json.loads((PUBLISHED / EXAMPLES[family].published).read_text()) if size == "full" else {}
         published = published.get("text_config", published)
         for tp in (2, 4):
             for key in FAMILIES[family].tp_divisible_keys:
@@ -151,7 +153,7 @@ def test_full_rows_are_the_published_widths():
     from codegen.harness.examples import PUBLISHED
 
     for family in families_with("full"):
-        published = json.loads((PUBLISHED / FAMILIES[family].examples.published).read_text())
+        published = json.loads((PUBLISHED / EXAMPLES[family].published).read_text())
         values = shape(family, "full")
         widths = ("hidden_size", "moe_intermediate_size", "intermediate_size", "num_attention_heads",
                   "num_key_value_heads", "head_dim", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim")

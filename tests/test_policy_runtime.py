@@ -22,10 +22,13 @@ import pytest
 import torch
 from torch import nn
 
-from codegen.families import FAMILIES
-from codegen.policy.assemble import (PART_HEADER, SEPARATOR, AssemblyError, part_text, render_header, render_policy,
-                                     runtime_module, runtime_text, split_policy)
+from codegen.families import FAMILIES, KNOB
+from codegen.patch.plan import family_policy
+from codegen.policy.assemble import (PART_HEADER, SEPARATOR, AssemblyError, part_text, render_header, runtime_module,
+                                     runtime_text, split_policy)
 from codegen.policy.runtime import PARTS
+
+pytestmark = pytest.mark.unit  # in-process, no subprocess, no ranks: the fast tier
 
 #: the runtime exactly as a model dir's autotp_policy.py runs it (its parts assembled), without a header
 rt = runtime_module()
@@ -747,6 +750,16 @@ def test_a_shared_expert_the_table_does_not_name_is_refused(with_fake_deepspeed)
                                "layout does not name: the one reduction would add it again")
 
 
+def test_a_block_that_is_a_decoder_layer_keeps_the_reductions_the_table_names(with_fake_deepspeed):
+    """`block_reductions` (Gemma 4: the MoE block is the decoder layer): its dense MLP reduces on its own, outside
+    the one reduction of the experts; any other row layer in the block is still refused."""
+    with_fake_deepspeed()
+    model = _toy()
+    model.moe.extra_mlp = MLP(TOY["per_expert"])
+    engine = rt.shard_model(model, 2, None, {}, {**TOY, "block_reductions": ["extra_mlp"]}, "codegen_knob")
+    assert not rt.is_partial(engine.module.moe.extra_mlp.w2)
+
+
 def test_knob_off_shards_nothing_itself_and_attaches_no_reducer(with_fake_deepspeed):
     with_fake_deepspeed()
     model = _toy(fused=True)
@@ -782,6 +795,25 @@ def test_routers_come_back_in_the_engine_dtype_and_a_changed_one_is_caught(with_
     with pytest.raises(rt.PolicyError) as info:
         rt.check_replicated(kept)
     assert _one_line(info) == "moe.common_router was split or changed by DeepSpeed: it must stay replicated"
+
+
+def test_a_module_kept_whole_by_class_is_out_of_deepspeeds_sight_and_comes_back_unchanged(with_fake_deepspeed):
+    """`whole_modules`: a token mixer whose head split is not exact stays whole on every rank (no collective)."""
+    with_fake_deepspeed()
+    model = _toy()
+    layout = {**TOY, "attention_replicated": [], "whole_modules": ["ToyAttention"]}
+    kept = rt.detach_replicated(model, rt.moe_blocks(model, layout), layout)
+    rt.fingerprint_kept(kept, torch.float32)
+    assert [k["where"] for k in kept] == ["moe.router", "moe.common_router", "attn"]
+    assert "attn" not in model._modules and list(model._modules) == ["moe"]
+    rt.reattach(kept, torch.float32)
+    assert list(model._modules) == ["attn", "moe"] and type(model.attn) is ToyAttention
+    rt.check_replicated(kept)
+    with torch.no_grad():
+        model.attn.o.weight[0, 0] += 1
+    with pytest.raises(rt.PolicyError) as info:
+        rt.check_replicated(kept)
+    assert _one_line(info) == "attn was split or changed by DeepSpeed: it must stay replicated"
 
 
 def test_reductions_stay_in_group_when_several_groups_share_the_shm_kernel():
@@ -1075,9 +1107,11 @@ def test_lockstep_raises_on_every_rank_where_inputs_or_tokens_differ():
 def test_rendered_policy_is_header_plus_runtime_and_records_its_sha256():
     runtime = runtime_text()
     for family in FAMILIES.values():
-        text = render_policy(family, "modeling_x")
+        text = family_policy(family, "modeling_x", legacy=False)
         header, embedded = split_policy(text)
-        assert text == render_header(family, "modeling_x", hashlib.sha256(runtime.encode()).hexdigest()) + runtime
+        auto_class = next(iter(family.auto_classes))
+        assert text == render_header(family.policy_layout(), auto_class, KNOB, "modeling_x",
+                                     hashlib.sha256(runtime.encode()).hexdigest()) + runtime
         assert embedded == runtime and header.endswith(SEPARATOR)
         namespace = {node.targets[0].id: ast.literal_eval(node.value)
                      for node in ast.parse(header).body if isinstance(node, ast.Assign)}
@@ -1324,3 +1358,39 @@ def test_transformers_experts_implementations_run_on_codegens_shards():
                 rt.shard_fused_experts(shard, "mlp.experts", rank, 2, fused)
                 total += shard(tokens, index, weights)
         assert (total - whole).abs().max().item() < 1e-5, implementation
+
+
+def test_flat_row_experts_keep_each_experts_rows_of_gate_up_and_down_and_sum_to_the_whole():
+    """FUSED_FLAT_ROWS (DBRX): gate, up, down [E*I, H] one module down; each rank keeps I/world rows of every
+    expert in all three, the width attribute becomes the shard, and the ranks' partial outputs add up exactly."""
+    import torch
+
+    from codegen.policy.runtime.base import FUSED_FLAT_ROWS
+    from codegen.policy.runtime.experts import shard_fused_experts
+
+    E, I, H, world = 3, 4, 5, 2
+    torch.manual_seed(0)
+    full = {n: torch.randn(E * I, H) for n in ("w1", "v1", "w2")}
+    names = {"kind": FUSED_FLAT_ROWS, "gate_up": "mlp.w1", "up": "mlp.v1", "down": "mlp.w2",
+             "size_attr": "ffn_hidden_size", "gate_up_bias": "", "down_bias": ""}
+
+    def expert_out(mod, x, e, inter):
+        view = lambda p: p.view(E, inter, H)[e]
+        return (torch.nn.functional.silu(x @ view(mod.mlp.w1).T) * (x @ view(mod.mlp.v1).T)) @ view(mod.mlp.w2)
+
+    x = torch.randn(2, H)
+    total = torch.zeros(2, H)
+    for rank in range(world):
+        mod = torch.nn.Module()
+        mod.mlp = torch.nn.Module()
+        for n, t in full.items():
+            setattr(mod.mlp, n, torch.nn.Parameter(t.clone()))
+        mod.ffn_hidden_size = I
+        shard_fused_experts(mod, "experts", rank, world, names)
+        assert mod.ffn_hidden_size == I // world and mod.mlp.w2.shape == (E * I // world, H)
+        total += expert_out(mod, x, 1, I // world)
+    whole = torch.nn.Module()
+    whole.mlp = torch.nn.Module()
+    for n, t in full.items():
+        setattr(whole.mlp, n, torch.nn.Parameter(t))
+    torch.testing.assert_close(total, expert_out(whole, x, 1, I))

@@ -8,6 +8,8 @@ from codegen.errors import BAD_INPUT, BadInput
 from codegen.families import FAMILIES
 from codegen.patch.quantization import quant_method, refuse_unsupported_quantization
 
+pytestmark = pytest.mark.unit  # in-process, no subprocess, no ranks: the fast tier
+
 FORMS = [(f, form) for f in FAMILIES.values() for form in f.quantized_forms]
 
 

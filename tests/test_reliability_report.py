@@ -1,4 +1,5 @@
-"""The reliability figure the README quotes: every bad input and fault injection this suite throws at a dir.
+"""The reliability figure docs/usage.md quotes, asserted here: every bad input and fault injection this suite
+throws at a dir.
 
 Adds up the corpora of test_hardening.py (a kill after every file operation of patch / revert / re-patch,
 plain dirs and Hugging Face cache snapshots; disk-full and permission failures at every write) and
@@ -17,6 +18,7 @@ from __future__ import annotations
 import pytest
 
 import os
+import re
 from pathlib import Path
 
 from test_hardening import SWEEPS, Tally, cached, failing_writes, fast, outcome  # noqa: F401 - fast is a fixture
@@ -45,3 +47,9 @@ def test_reliability_figure(fast, tmp_path_factory):
     if out:
         Path(out).write_text(line + "\n")
     assert not total.problems, "\n".join(total.problems)
+    # the figure docs/usage.md quotes is this count, and no case broke a guarantee
+    usage = (Path(__file__).resolve().parent.parent / "docs" / "usage.md").read_text(encoding="utf-8")
+    figure = r"the suite tries (\d+) bad inputs and fault injections.*?;\s+(\d+) left the dir changed"
+    quoted = re.search(figure, usage, re.S)
+    assert quoted, "docs/usage.md no longer quotes the reliability figure"
+    assert (int(quoted[1]), int(quoted[2])) == (total.tried, total.failed) == (total.tried, 0), line

@@ -13,6 +13,8 @@ from codegen.patch.rewrite import rewrite_source
 from codegen.patch.target import RewriteTarget
 from codegen.patch.transforms import AbsolutizeImports, DeclareNativeLoading
 
+pytestmark = pytest.mark.unit  # in-process, no subprocess, no ranks: the fast tier
+
 BLOCK = "_CODEGEN_PATCH = {'family': 'x'}\n\n\ndef _codegen_moe_all_reduce(block, hidden_states):\n    return hidden_states\n"
 
 
@@ -418,3 +420,189 @@ def test_wrapped_return_passes_the_safety_check_and_other_edits_do_not():
     with pytest.raises(BadSource, match="changed more than intended"):
         check_only_intended_changes(original, "def f(self, a, b):\n    return _codegen_moe_all_reduce(self, a - b)\n",
                                     target)
+
+
+# ------------------------------------------------------------------ the in-place routed + shared sum (Llama 4)
+
+
+def _family_without_wrapper(name: str):
+    import dataclasses
+
+    return dataclasses.replace(FAMILIES[name], wrapper=None)
+
+
+#: Llama 4's row without its wrapper (a source holding the MoE block alone has no causal LM to give the text config)
+_TEXT_LLAMA4 = _anchor_target(_family_without_wrapper("llama4"))
+
+
+def test_inplace_shared_sum_is_reduced_right_after_the_add_():
+    before = _dedent(
+        """
+        class Llama4TextMoe(nn.Module):
+            def forward(self, hidden_states):
+                router_scores, router_logits = self.router(hidden_states)
+                routed_out = self.experts(hidden_states * router_scores)
+                out = self.shared_expert(hidden_states)
+                out.add_(routed_out.sum(dim=0))
+                return out, router_logits
+        """
+    )
+    result = rewrite_source(before, _TEXT_LLAMA4, BLOCK)
+    assert result.code.endswith(
+        "        out.add_(routed_out.sum(dim=0))\n"
+        "        # codegen: one all-reduce per MoE layer covers routed + shared experts\n"
+        "        out = _codegen_moe_all_reduce(self, out)\n"
+        "        return out, router_logits\n"
+    )
+    assert result.reduced_variable == "out" and result.moe_class == "Llama4TextMoe"
+
+
+def test_inplace_scatter_add_of_the_routed_output_is_an_inplace_sum_too():
+    """transformers 4.51's Llama 4: `out.scatter_add_(dim=0, index=..., src=routed)`, keywords only."""
+    before = _dedent(
+        """
+        class Llama4TextMoe(nn.Module):
+            def forward(self, hidden_states):
+                routed_out = self.experts(hidden_states)
+                out = self.shared_expert(hidden_states)
+                out.scatter_add_(dim=0, index=idx, src=routed_out.view(-1, 4))
+                return out, None
+        """
+    )
+    result = rewrite_source(before, _TEXT_LLAMA4, BLOCK)
+    assert "        out.scatter_add_(dim=0, index=idx, src=routed_out.view(-1, 4))\n" \
+           "        # codegen: one all-reduce per MoE layer covers routed + shared experts\n" \
+           "        out = _codegen_moe_all_reduce(self, out)\n" in result.code
+
+
+@pytest.mark.parametrize(
+    "forward, message",
+    [
+        ("        out = self.shared_expert(x) + self.experts(x)\n        return out\n", "no recognisable in-place"),
+        ("        out = self.shared_expert(x)\n        out.add_(self.shared_expert(x))\n        return out\n",
+         "no recognisable in-place"),
+        ("        out = self.shared_expert(x)\n        out.add_(self.experts(x))\n        out.add_(self.experts(x))\n"
+         "        return out\n", "2 times"),
+        ("        out = self.shared_expert(x)\n        if x is None:\n            return out\n"
+         "        out.add_(self.experts(x))\n        return out\n", "returns at line"),
+    ],
+    ids=["not-in-place", "shared-on-both-sides", "two-sums", "early-return"],
+)
+def test_unplaceable_inplace_sum_is_a_precise_error(forward, message):
+    source = "class Llama4TextMoe(nn.Module):\n    def forward(self, x):\n" + forward
+    with pytest.raises(BadSource, match=message):
+        rewrite_source(source, _target("llama4"), BLOCK)
+
+
+WRAPPER_CAUSAL_LM = _dedent(
+    """
+    class Llama4TextMoe(nn.Module):
+        def forward(self, x):
+            out = self.shared_expert(x)
+            out.add_(self.experts(x))
+            return out
+
+    class Llama4ForCausalLM(Llama4PreTrainedModel):
+        base_model_prefix = "language_model"
+    """
+)
+
+
+def test_a_wrappers_causal_lm_takes_the_text_config_and_ignores_the_wrappers_own_weights():
+    """Loaded from the multimodal checkpoint, the text-only class leaves the vision tower's and the projector's
+    weights unused without an UNEXPECTED key (its own patterns, where it names some, stay as they are)."""
+    result = rewrite_source(WRAPPER_CAUSAL_LM, _target("llama4"), BLOCK)
+    assert ('    base_model_prefix = "language_model"\n\n'
+            "    # codegen: loaded from a multimodal checkpoint, the wrapper's own modules' weights are not this class's\n"
+            '    _keys_to_ignore_on_load_unexpected = [r"(^|\\.)vision_model\\.", r"(^|\\.)multi_modal_projector\\."]\n'
+            "\n    @classmethod\n    def from_pretrained(cls, *args, config=None, **kwargs):\n") in result.code
+    own = WRAPPER_CAUSAL_LM + '    _keys_to_ignore_on_load_unexpected = [r"^mtp.*"]\n'
+    result = rewrite_source(own, _target("llama4"), BLOCK)
+    assert result.code.count("_keys_to_ignore_on_load_unexpected") == 1 and "def from_pretrained" in result.code
+
+
+# ------------------------------------------------------------------ the routed experts' statement, at any depth (Gemma 4)
+
+
+GEMMA4_LAYER_BEFORE = _dedent(
+    """
+    class Gemma4TextDecoderLayer(nn.Module):
+        def forward(self, hidden_states):
+            residual = hidden_states
+            hidden_states = self.mlp(hidden_states)
+            if self.enable_moe_block:
+                hidden_states_1 = self.post_feedforward_layernorm_1(hidden_states)
+                _, weights, index = self.router(residual)
+                hidden_states_2 = self.experts(residual, index, weights)
+                hidden_states_2 = self.post_feedforward_layernorm_2(hidden_states_2)
+                hidden_states = hidden_states_1 + hidden_states_2
+            return residual + hidden_states
+    """
+)
+
+
+def test_routed_statement_is_reduced_in_its_own_branch_before_its_norm():
+    """The decoder layer norms the routed experts' output before adding the dense MLP's: the reduction goes right
+    after the experts' call, inside the `if` (the dense MLP reduces on its own)."""
+    family = _family_without_wrapper("gemma4")
+    result = rewrite_source(GEMMA4_LAYER_BEFORE, _anchor_target(family), BLOCK)
+    assert result.code.endswith(
+        "            hidden_states_2 = self.experts(residual, index, weights)\n"
+        "            # codegen: one all-reduce per MoE layer covers the routed experts\n"
+        "            hidden_states_2 = _codegen_moe_all_reduce(self, hidden_states_2)\n"
+        "            hidden_states_2 = self.post_feedforward_layernorm_2(hidden_states_2)\n"
+        "            hidden_states = hidden_states_1 + hidden_states_2\n"
+        "        return residual + hidden_states\n"
+    )
+    assert result.reduced_variable == "hidden_states_2" and result.moe_class == "Gemma4TextDecoderLayer"
+
+
+@pytest.mark.parametrize(
+    "forward, message",
+    [
+        ("        return self.experts(x)\n", "no recognisable routed experts output"),
+        ("        y = self.experts(x)\n        z = self.experts(y)\n        return z\n", "2 times"),
+        ("        for i in range(2):\n            x = self.experts(x)\n        return x\n", "inside a loop"),
+    ],
+    ids=["no-assignment", "two-calls", "in-a-loop"],
+)
+def test_unplaceable_routed_statement_is_a_precise_error(forward, message):
+    source = "class Gemma4TextDecoderLayer(nn.Module):\n    def forward(self, x):\n" + forward
+    with pytest.raises(BadSource, match=message):
+        rewrite_source(source, _anchor_target(_family_without_wrapper("gemma4")), BLOCK)
+
+
+GRANITE_4X_BEFORE = _dedent(
+    """
+    class GraniteMoeMoE(nn.Module):
+        def forward(self, layer_input):
+            bsz, length, emb_size = layer_input.size()
+            layer_input = layer_input.reshape(-1, emb_size)
+            _, batch_index, batch_gates, expert_size, router_logits = self.router(layer_input)
+            expert_inputs = layer_input[batch_index]
+            hidden_states = self.input_linear(expert_inputs, expert_size)
+            hidden_states = self.activation(hidden_states)
+            expert_outputs = self.output_linear(hidden_states, expert_size)
+            zeros = torch.zeros((bsz * length, self.input_size))
+            layer_output = zeros.index_add(0, batch_index, expert_outputs)
+            layer_output = layer_output.view(bsz, length, self.input_size)
+            return layer_output, router_logits
+    """
+)
+
+
+def test_returned_routed_follows_the_expert_modules_output_into_the_returned_name():
+    """A block holding its expert modules itself (4.x GraniteMoe): the value returned carries their output through
+    names (`expert_outputs` -> `layer_output`), not a call in the `return`; the tuple's first element is reduced."""
+    result = rewrite_source(GRANITE_4X_BEFORE, _target("granitemoe"), BLOCK)
+    assert result.code.endswith(
+        "        layer_output = layer_output.view(bsz, length, self.input_size)\n"
+        "        # codegen: one all-reduce per MoE layer covers the routed experts\n"
+        "        return _codegen_moe_all_reduce(self, layer_output), router_logits\n"
+    )
+
+
+def test_returned_routed_refuses_a_return_the_experts_never_reach():
+    source = GRANITE_4X_BEFORE.replace("return layer_output, router_logits", "return layer_input, router_logits")
+    with pytest.raises(BadSource, match="no recognisable returned routed experts output"):
+        rewrite_source(source, _target("granitemoe"), BLOCK)

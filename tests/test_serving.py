@@ -6,13 +6,18 @@
 * Sampling with a different seed on each rank gives the same tokens on both ranks.
 * SIGKILL of one rank mid-generation ends the launcher and the other rank within seconds and leaves no DeepSpeed
   buffer in /dev/shm.
-* `python -m codegen serve` end to end with an HTTP client on localhost: completions equal the single-process
-  model's greedy tokens, streaming, chat, a bad request's 4xx, a client that drops mid-stream, 8 concurrent
-  clients batched together; Ctrl-C stops it. `python -m codegen generate` likewise.
+* `python -m codegen serve` end to end, driven by the official `openai` client on loopback: completions equal the
+  single-process model's greedy tokens, streaming (with `include_usage`), chat with `max_completion_tokens`,
+  `stop`, sampling parameters (seed, logit_bias, penalties, echo, logprobs), bad requests (one 4xx with OpenAI's
+  error body each), the API key, a short request beside a long one, a client that leaves mid-stream, a full queue
+  (429), 32 concurrent clients each getting its own greedy answer, /metrics; SIGINT to a background server and
+  SIGTERM mid-generation stop every rank within seconds, free the port and leave no buffer. `python -m codegen
+  generate` likewise.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -154,6 +159,10 @@ if mode == "lockstep":
     except policy.PolicyError as exc:
         refused = str(exc)
     json.dump({"tokens": o[0, 12:].tolist(), "refused": refused}, open(os.path.join(out, f"{rank}.json"), "w"))
+    # leave as a well-behaved script does: after a refused step, both ranks meet, then the group is torn down
+    # (a process group left to the interpreter's exit can abort a rank: "terminate called without an active exception")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 else:  # long: for the kill test
     open(os.path.join(out, f"{rank}.pid"), "w").write(str(os.getpid()))
     engine.module.generate(ids, max_new_tokens=2000, min_new_tokens=2000, do_sample=False, pad_token_id=0)
@@ -202,140 +211,355 @@ def test_sigkill_of_one_rank_mid_generation_ends_the_rest_fast_and_leaves_no_buf
 
 # ----------------------------------------------------------------------------------------- `codegen serve`
 
+API_KEY = "test-key"
+#: the server's waiting-queue bound in these tests (the 429 test fills it)
+MAX_WAITING = 40
 
-@pytest.fixture(scope="module")
-def server(served):
-    """`python -m codegen serve DIR --tp 2 --port 0`, as a user starts it; stopped with Ctrl-C at the end."""
-    before = _buffers()
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _start_server(served, *extra: str, background: bool = False) -> dict:
+    """`python -m codegen serve DIR --tp 2 --port 0`, as a user starts it (`background`: with SIGINT ignored, as a
+    shell starts a background job)."""
+    def ignore_sigint():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     proc = subprocess.Popen([sys.executable, "-m", "codegen", "serve", str(served), "--tp", "2", "--port", "0",
-                             "--dtype", "float32"], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                             "--dtype", "float32", *extra], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=ignore_sigint if background else None)
     line = proc.stdout.readline()
     match = re.search(r"on http://([\d.]+):(\d+)/v1", line)
     assert match, (line, proc.stderr.read()[-2000:] if proc.poll() is not None else "")
-    yield {"host": match.group(1), "port": int(match.group(2)), "proc": proc}
-    proc.send_signal(signal.SIGINT)
+    return {"host": match.group(1), "port": int(match.group(2)), "proc": proc, "ranks": _children(proc.pid)}
+
+
+def _stop_server(server, sig) -> tuple[float, int]:
+    """Send `sig` to the launcher: (seconds until it and every rank were gone, its exit code)."""
+    proc = server["proc"]
+    proc.send_signal(sig)
     started = time.monotonic()
     code = proc.wait(timeout=30)
-    assert code == 130 and time.monotonic() - started < 10
-    assert "interrupted: the ranks are stopped" in proc.stderr.read()
-    assert _buffers() <= before
+    while any(_alive(pid) for pid in server["ranks"]) and time.monotonic() - started < 30:
+        time.sleep(0.05)
+    return time.monotonic() - started, code
 
 
-def _post(server, path: str, body, raw: bytes | None = None) -> tuple[int, dict]:
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    """The server for the tests below, started as a background job would be (SIGINT ignored) with an API key;
+    stopped with SIGINT at the end: every rank gone within seconds, the port free, no buffer left."""
+    before = _buffers()
+    server = _start_server(served, "--api-key", API_KEY, "--max-waiting", str(MAX_WAITING), background=True)
+    assert len(server["ranks"]) == 2
+    yield server
+    took, code = _stop_server(server, signal.SIGINT)
+    assert code == 130 and took < 10, f"SIGINT: exit {code} after {took:.1f}s"
+    assert "interrupted: the ranks are stopped" in server["proc"].stderr.read()
+    assert _port_free(server["host"], server["port"]) and _buffers() <= before
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"http://{server['host']}:{server['port']}/v1", api_key=API_KEY, max_retries=0,
+                         timeout=120)
+
+
+def _raw(server, method: str, path: str, raw: bytes | None = None, key: str | None = API_KEY,
+         headers: dict | None = None) -> tuple[int, dict, dict]:
     conn = http.client.HTTPConnection(server["host"], server["port"], timeout=120)
-    conn.request("POST", path, body=raw if raw is not None else json.dumps(body),
-                 headers={"Content-Type": "application/json"})
+    sent = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {}),
+            **(headers or {})}
+    conn.request(method, path, body=raw, headers=sent)
     response = conn.getresponse()
-    status, data = response.status, json.loads(response.read())
+    status, head, data = response.status, dict(response.getheaders()), response.read()
     conn.close()
-    return status, data
+    return status, json.loads(data) if data.startswith(b"{") else {"raw": data.decode()}, head
 
 
-def _get(server, path: str) -> tuple[int, dict]:
-    conn = http.client.HTTPConnection(server["host"], server["port"], timeout=30)
-    conn.request("GET", path)
-    response = conn.getresponse()
-    result = response.status, json.loads(response.read())
-    conn.close()
-    return result
+def _greedy_text(reference, prompt: str, n: int) -> tuple[str, str]:
+    greedy, tokenizer = reference
+    tokens, finish = greedy(prompt, n)
+    return tokenizer.decode(tokens, skip_special_tokens=True), finish
 
 
-def _stream(server, path: str, body) -> list[dict]:
-    conn = http.client.HTTPConnection(server["host"], server["port"], timeout=120)
-    conn.request("POST", path, body=json.dumps({**body, "stream": True}), headers={"Content-Type": "application/json"})
-    response = conn.getresponse()
-    assert response.status == 200 and response.getheader("Content-Type") == "text/event-stream"
-    events = []
-    for line in response.read().decode().split("\n\n"):
-        if line.startswith("data: "):
-            events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[len("data: "):]))
-    conn.close()
-    return events
+def test_health_models_and_the_api_key(server, client):
+    assert _raw(server, "GET", "/health", key=None)[1]["status"] == "ok"
+    assert [m.id for m in client.models.list().data] == ["qwen3_moe"]
+    import openai
+
+    wrong = openai.OpenAI(base_url=str(client.base_url), api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as info:
+        wrong.completions.create(model="qwen3_moe", prompt=PROMPT, max_tokens=2)
+    assert info.value.status_code == 401 and info.value.body["code"] == "invalid_api_key"
+    status, body, _ = _raw(server, "POST", "/v1/completions", json.dumps({"prompt": "x"}).encode(), key=None)
+    assert status == 401 and body["error"]["type"] == "invalid_request_error"
 
 
-def test_health_and_models(server):
-    assert _get(server, "/health")[1]["status"] == "ok"
-    status, models = _get(server, "/v1/models")
-    assert status == 200 and models["data"][0]["id"] == "qwen3_moe"
-
-
-def test_a_completion_is_the_single_process_models_greedy_answer(server, reference):
+def test_a_completion_is_the_single_process_models_greedy_answer(client, reference):
     greedy, tokenizer = reference
     tokens, finish = greedy(PROMPT, 12)
-    status, body = _post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 12})
-    assert status == 200 and body["object"] == "text_completion"
-    choice = body["choices"][0]
-    assert choice["text"] == tokenizer.decode(tokens, skip_special_tokens=True) and choice["finish_reason"] == finish
-    assert body["usage"] == {"prompt_tokens": len(PROMPT.encode()), "completion_tokens": len(tokens),
-                             "total_tokens": len(PROMPT.encode()) + len(tokens)}
+    answer = client.completions.create(model="qwen3_moe", prompt=PROMPT, max_tokens=12)
+    assert answer.object == "text_completion"
+    assert answer.choices[0].text == tokenizer.decode(tokens, skip_special_tokens=True)
+    assert answer.choices[0].finish_reason == finish
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (len(PROMPT.encode()), len(tokens))
+    again = client.completions.create(model="qwen3_moe", prompt=PROMPT, max_tokens=12, user="someone")
+    assert again.choices[0].text == answer.choices[0].text
 
 
-def test_streaming_sends_the_same_text_as_events(server):
-    _, whole = _post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 10})
-    events = _stream(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 10})
-    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
-    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == whole["choices"][0]["text"]
+def test_streaming_sends_the_same_text_and_the_usage_when_asked(client, reference):
+    text, finish = _greedy_text(reference, PROMPT, 10)
+    chunks = list(client.completions.create(model="qwen3_moe", prompt=PROMPT, max_tokens=10, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == finish
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert chunks[-1].usage.prompt_tokens == len(PROMPT.encode())
+    plain = list(client.completions.create(model="qwen3_moe", prompt=PROMPT, max_tokens=3, stream=True))
+    assert all(c.usage is None for c in plain)
 
 
-def test_chat_uses_the_dirs_template(server):
-    status, body = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                          "max_tokens": 4})
-    assert status == 200 and body["object"] == "chat.completion"
-    assert body["choices"][0]["message"]["role"] == "assistant"
-    events = _stream(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                      "max_tokens": 4})
-    assert events[0]["choices"][0]["delta"] == {"role": "assistant"} and events[-1] == "[DONE]"
-    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[1:-1]) == \
-        body["choices"][0]["message"]["content"]
+def test_chat_uses_the_template_and_max_completion_tokens(client):
+    messages = [{"role": "user", "content": "hi"}]
+    answer = client.chat.completions.create(model="qwen3_moe", messages=messages, max_completion_tokens=3)
+    assert answer.object == "chat.completion" and answer.choices[0].message.role == "assistant"
+    assert answer.usage.completion_tokens == 3 and answer.choices[0].finish_reason == "length"
+    chunks = list(client.chat.completions.create(model="qwen3_moe", messages=messages, max_completion_tokens=3,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 3
 
 
-def test_bad_requests_get_a_4xx_json_error(server):
-    status, body = _post(server, "/v1/completions", None, raw=b"{not json")
-    assert status == 400 and body["error"]["type"] == "invalid_request_error"
-    status, body = _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 0})
-    assert status == 400 and body["error"]["param"] == "max_tokens"
-    status, body = _post(server, "/v1/nothing", {})
+def test_a_stop_string_ends_the_answer_and_is_not_returned(client, reference):
+    text, _ = _greedy_text(reference, PROMPT, 16)
+    at = next(i for i, ch in enumerate(text) if i > 0 and ch.isascii() and ch.isprintable())
+    stop = text[at]
+    expected = text[:text.index(stop)]
+    answer = client.completions.create(model="qwen3_moe", prompt=PROMPT, max_tokens=16, stop=[stop, "never!"])
+    assert (answer.choices[0].text, answer.choices[0].finish_reason) == (expected, "stop")
+    chunks = list(client.completions.create(model="qwen3_moe", prompt=PROMPT, max_tokens=16, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected and chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_sampling_parameters_are_honoured(client):
+    def text(**kw):
+        return client.completions.create(model="qwen3_moe", prompt=PROMPT, max_tokens=8, **kw).choices[0].text
+
+    assert text(logit_bias={"65": 100}) == "A" * 8  # token 65 is "A" for the byte-level tokenizer
+    assert text(temperature=1.0, seed=7) == text(temperature=1.0, seed=7)
+    assert len({text(temperature=1.5, seed=s) for s in range(4)}) > 1
+    assert text(logit_bias={"65": 5}, frequency_penalty=2.0) != text(logit_bias={"65": 5})
+    echoed = client.completions.create(model="qwen3_moe", prompt=PROMPT, max_tokens=4, echo=True)
+    assert echoed.choices[0].text.startswith(PROMPT) and echoed.choices[0].text != PROMPT
+    scored = client.completions.create(model="qwen3_moe", prompt=PROMPT, max_tokens=4, logprobs=2)
+    logprobs = scored.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 4 and all(len(t) == 2 for t in logprobs.top_logprobs)
+    assert all(lp <= 0 for lp in logprobs.token_logprobs)
+    chat = client.chat.completions.create(model="qwen3_moe", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=3, logprobs=True, top_logprobs=3)
+    assert len(chat.choices[0].logprobs.content) == 3 and len(chat.choices[0].logprobs.content[0].top_logprobs) == 3
+    assert client.completions.create(model="qwen3_moe", prompt=PROMPT, max_tokens=4, presence_penalty=1.0,
+                                     extra_body={"repetition_penalty": 1.3, "top_k": 5}).usage.completion_tokens
+
+
+def test_bad_requests_get_one_4xx_with_openais_error_body(server, client):
+    import openai
+
+    def refused(param: str, **kw) -> str:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model="qwen3_moe", **{"prompt": PROMPT, "max_tokens": 4, **kw})
+        assert info.value.status_code == 400 and info.value.body["param"] == param, info.value.body
+        return info.value.body["message"]
+
+    assert refused("frobnicate", extra_body={"frobnicate": 1}) == "Unrecognized request argument supplied: frobnicate"
+    refused("n", n=2)
+    refused("suffix", suffix="!")
+    refused("best_of", best_of=3)
+    refused("logprobs", logprobs=1, stream=True)
+    refused("max_tokens", max_tokens=0)
+    message = refused("prompt", prompt="x" * 5000)
+    assert "maximum context length is 256 tokens" in message and "5000 tokens" in message
+    message = refused("max_tokens", max_tokens=250)
+    assert "256" in message and f"{len(PROMPT) + 250} tokens" in message
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="qwen3_moe", messages=[{"role": "user", "content": "x"}],
+                                       tools=[{"type": "function", "function": {"name": "f"}}])
+    assert info.value.body["param"] == "tools"
+    for raw in (b"{not json", b"", b"\xff\xfe{", b"[1]", json.dumps({"prompt": "x" * (1 << 21)}).encode()):
+        status, body, _ = _raw(server, "POST", "/v1/completions", raw)
+        assert status == 400 and body["error"]["type"] == "invalid_request_error", (raw[:20], body)
+    status, body, _ = _raw(server, "POST", "/v1/nothing", b"{}")
     assert status == 404 and "no such endpoint" in body["error"]["message"]
+    status, body, _ = _raw(server, "GET", "/v1/completions")
+    assert status == 405 and "error" in body
+    status, _, _ = _raw(server, "POST", "/v1/completions", b'{"prompt": "x"}', headers={"Content-Length": "-5"})
+    assert status == 400  # malformed HTTP: uvicorn's own plain-text 400, before any endpoint
 
 
-def test_a_client_that_drops_mid_stream_leaves_the_server_serving(server):
+def test_a_short_request_beside_a_long_one_is_answered_in_its_own_time(client, server):
+    finished = {}
+
+    def long():
+        client.completions.create(model="qwen3_moe", prompt=PROMPT, max_tokens=200, logit_bias={"0": -100})
+        finished["long"] = time.monotonic()
+
+    thread = threading.Thread(target=long)
+    thread.start()
+    time.sleep(0.5)
+    client.completions.create(model="qwen3_moe", prompt="Hi", max_tokens=4)
+    finished["short"] = time.monotonic()
+    thread.join()
+    assert finished["short"] < finished["long"]
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_slot(client, server):
+    stream = client.completions.create(model="qwen3_moe", prompt=PROMPT, max_tokens=200, stream=True,
+                                       logit_bias={"0": -100})
+    for n, _ in enumerate(stream):
+        if n == 2:
+            break
+    stream.close()
+    answer = client.completions.create(model="qwen3_moe", prompt=PROMPT, max_tokens=4)
+    assert answer.choices[0].finish_reason in ("length", "stop")
+    deadline = time.monotonic() + 10
+    while _raw(server, "GET", "/health")[1]["running"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _raw(server, "GET", "/health")[1]["running"] == 0
+    # a client of a whole (non-streaming) answer that leaves: noticed, its slot freed
+    body = json.dumps({"prompt": "x", "max_tokens": 250, "logit_bias": {"0": -100}}).encode()
     sock = socket.create_connection((server["host"], server["port"]), timeout=60)
-    body = json.dumps({"prompt": PROMPT, "max_tokens": 400, "stream": True}).encode()
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-    seen = b""
-    while b"data: " not in seen:  # the stream has started
-        chunk = sock.recv(65536)
-        assert chunk, seen
-        seen += chunk
+                 b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: " +
+                 str(len(body)).encode() + b"\r\n\r\n" + body)
+    deadline = time.monotonic() + 10
+    while not _raw(server, "GET", "/health")[1]["running"] and time.monotonic() < deadline:
+        time.sleep(0.02)
     sock.close()
-    status, answer = _post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4})
-    assert status == 200 and answer["choices"][0]["finish_reason"] in ("length", "stop")
+    left = time.monotonic()
+    while _raw(server, "GET", "/health")[1]["running"] and time.monotonic() < left + 10:
+        time.sleep(0.05)
+    assert _raw(server, "GET", "/health")[1]["running"] == 0
+    metrics = _raw(server, "GET", "/metrics", key=None)[1]["raw"]
+    assert 'codegen_request_errors_total{model_name="qwen3_moe",status="499"} 1.0' in metrics  # cut short, not run out
 
 
-def test_eight_concurrent_clients_are_batched(server, reference, capsys):
-    greedy, tokenizer = reference
-    prompts = [f"Request number {i} says" for i in range(8)]
-    results: dict[int, tuple[int, dict]] = {}
+def test_a_full_queue_is_a_429_with_retry_after(server):
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 200, "stream": True, "logit_bias": {"0": -100}}).encode()
+    socks, heads = [], []
+    try:
+        for _ in range(8 + MAX_WAITING + 8):  # 8 running, MAX_WAITING waiting, the rest refused
+            sock = socket.create_connection((server["host"], server["port"]), timeout=60)
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: " +
+                         str(len(body)).encode() + b"\r\n\r\n" + body)
+            socks.append(sock)
+        for sock in socks:
+            head = b""
+            while b"\r\n\r\n" not in head or (head[9:12] == b"429" and not head.rstrip().endswith(b"}")):
+                head += sock.recv(4096)
+            heads.append(head.decode(errors="replace"))
+    finally:
+        for sock in socks:
+            sock.close()
+    statuses = [h.split()[1] for h in heads]
+    # admission happens at step boundaries, so between 1 and 8 were running when the queue filled
+    assert statuses.count("200") >= MAX_WAITING + 1 and statuses.count("429") >= 8, statuses
+    assert statuses.count("200") + statuses.count("429") == len(statuses), statuses
+    refused = next(h for h in heads if h.split()[1] == "429").lower()
+    assert "retry-after: 1" in refused and "rate_limit_exceeded" in refused
+    deadline = time.monotonic() + 30
+    while (h := _raw(server, "GET", "/health")[1])["running"] + h["waiting"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert h["running"] + h["waiting"] == 0  # every client that left freed its slot or place
 
-    def client(i):
-        results[i] = _post(server, "/v1/completions", {"prompt": prompts[i], "max_tokens": 16})
+
+def test_32_concurrent_clients_get_each_their_own_greedy_answer(client, server, reference, capsys):
+    prompts = [f"Request number {i} says" for i in range(32)]
+    expected = [_greedy_text(reference, p, 16) for p in prompts]
+    results: dict[int, object] = {}
+
+    def ask(i):
+        results[i] = client.completions.create(model="qwen3_moe", prompt=prompts[i], max_tokens=16)
 
     started = time.monotonic()
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(32)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall = time.monotonic() - started
-    assert all(status == 200 for status, _ in results.values()) and len(results) == 8
-    tokens = sum(body["usage"]["completion_tokens"] for _, body in results.values())
-    health = _get(server, "/health")[1]
-    assert health["largest_batch"] > 1
+    assert [(results[i].choices[0].text, results[i].choices[0].finish_reason) for i in range(32)] == expected
+    tokens = sum(r.usage.completion_tokens for r in results.values())
+    health = _raw(server, "GET", "/health")[1]
+    assert health["largest_batch"] == 8  # --max-batch
     with capsys.disabled():
-        print(f"\nserve, tiny Qwen3-MoE, tp 2, float32, 8 concurrent clients x 16 tokens: {tokens} tokens in "
+        print(f"\nserve, tiny Qwen3-MoE, tp 2, float32, 32 concurrent clients x 16 tokens: {tokens} tokens in "
               f"{wall:.2f}s = {tokens / wall:.1f} tokens/s; largest batch {health['largest_batch']}")
+
+
+def test_metrics_in_prometheus_text_format(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    assert _raw(server, "POST", "/v1/completions", b"{}")[0] == 400
+    status, body, headers = _raw(server, "GET", "/metrics", key=None)
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(body["raw"]) for s in family.samples}
+    value = {name: v for (name, labels), v in samples.items() if not dict(labels).get("le")}
+    assert value["codegen_prompt_tokens_total"] > 0 and value["codegen_generation_tokens_total"] > 0
+    assert value["codegen_time_to_first_token_seconds_count"] > 0
+    assert value["codegen_inter_token_latency_seconds_count"] > 0
+    assert value["codegen_num_requests_running"] == 0 and value["codegen_num_requests_waiting"] == 0
+    assert sum(v for (n, _), v in samples.items() if n == "codegen_request_success_total") > 0
+    assert sum(v for (n, labels), v in samples.items() if n == "codegen_request_errors_total"
+               and dict(labels)["status"] == "400") > 0
+
+
+def test_sigterm_mid_generation_stops_every_rank_frees_the_port_and_leaves_no_buffer(served):
+    before = _buffers()
+    server = _start_server(served)
+    assert len(server["ranks"]) == 2
+    def long():
+        with contextlib.suppress(OSError, http.client.HTTPException):  # the server goes away mid-answer
+            _raw(server, "POST", "/v1/completions", json.dumps(
+                {"prompt": PROMPT, "max_tokens": 200, "logit_bias": {"0": -100}}).encode(), key=None)
+
+    thread = threading.Thread(target=long, daemon=True)
+    thread.start()
+    time.sleep(1.0)  # generating
+    took, code = _stop_server(server, signal.SIGTERM)
+    assert took < 10 and not any(_alive(pid) for pid in server["ranks"]), f"SIGTERM: the ranks took {took:.1f}s"
+    assert code == 130 and _port_free(server["host"], server["port"]) and _buffers() <= before
 
 
 def test_generate_prints_the_greedy_completion(served, reference):

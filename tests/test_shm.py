@@ -223,8 +223,9 @@ def test_shm_lists_and_cleans_only_unused_old_buffers(shm_dir):
     assert [_checked(line) for line in empty.stdout.splitlines()] == [f"0 buffers, 0.0 MiB in {shm_dir}: 0 in use or too new, 0 left behind"]
 
 
+@pytest.mark.unit
 def test_shm_maps_scan_sees_this_process_mapping(shm_dir):
-    from codegen.policy import shm
+    from codegen import shm
 
     path = shm_dir / f"{rt.SHM_PREFIX}_{os.getuid()}_127.0.0.1_3333_0"
     path.write_bytes(b"\0" * 4096)
@@ -234,6 +235,7 @@ def test_shm_maps_scan_sees_this_process_mapping(shm_dir):
     assert shm.scan_maps(str(shm_dir))[0] == {}
 
 
+@pytest.mark.unit
 def test_shm_is_a_subcommand_of_the_one_cli():
     from codegen.cli import COMMANDS, _parser
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from codegen.families import FAMILIES
+from codegen.families import EXAMPLES
 from codegen.harness.prepare import Progress, ab_spec, prepare_examples
 from codegen.harness.results import ratios, summarise_ab
 
@@ -115,7 +115,7 @@ def _run_single(dirs: dict, families: tuple[str, ...], device: str, dtype: str, 
 
 def label(family: str) -> str:
     """What the bench and README call a family's bench-sized example."""
-    known = FAMILIES.get(family)
+    known = EXAMPLES.get(family)
     return known.bench_label if known is not None and known.bench_label else family
 
 

@@ -32,9 +32,15 @@ def lm_head_reductions(r: dict) -> int:
     return 1 if "Allreduce" in (r.get("lm_head_type") or "") else 0
 
 
+def attention_reductions(r: dict) -> list[int]:
+    """What each attention block needs: one, none where its mixer is kept whole on every rank."""
+    return r.get("attention_block_reductions", [1] * r["attention_blocks"])
+
+
 def expected_allreduces(r: dict) -> int:
-    """One per attention block, one per MoE block, one per dense MLP block, plus what the LM head needs."""
-    return r["attention_blocks"] + r["moe_blocks"] + r["dense_mlp_blocks"] + lm_head_reductions(r)
+    """One per attention block (none per one kept whole), one per MoE block, one per dense MLP block, plus what
+    the LM head needs."""
+    return sum(attention_reductions(r)) + r["moe_blocks"] + r["dense_mlp_blocks"] + lm_head_reductions(r)
 
 
 def breakdown(r: dict) -> str:
@@ -96,10 +102,13 @@ def _codegen_problems(r: dict, tolerance: float | None) -> list[str]:
         found.append(f"{r['allreduce_per_forward']} all-reduces per forward, expected {expected} ({breakdown(r)})")
     if not r["moe_blocks"]:
         found.append("no MoE layers found")
-    for key, label in (("moe", "MoE"), ("attention", "attention"), ("dense_mlp", "dense MLP")):
+    for key, label in (("moe", "MoE"), ("dense_mlp", "dense MLP")):
         counts = r[f"allreduce_per_{key}_block"]
         if any(c != 1 for c in counts):
             found.append(f"all-reduces per {label} block {counts}, expected 1 each")
+    if r["allreduce_per_attention_block"] != attention_reductions(r):
+        found.append(f"all-reduces per attention block {r['allreduce_per_attention_block']}, expected "
+                     f"{attention_reductions(r)} (1 each, 0 where kept whole)")
     if r["allreduce_lm_head"] != lm_head_reductions(r):
         found.append(f"LM head ({r['lm_head_type']}) issued {r['allreduce_lm_head']} all-reduces, "
                      f"expected {lm_head_reductions(r)}")

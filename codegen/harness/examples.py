@@ -1,6 +1,6 @@
 """Small random checkpoints in hub format, built locally (no hub access): the demo's, the bench's and the tests' inputs.
 
-The shapes are the family table's (`Family.examples`): `tiny` keeps tests fast; `toy` (the bench's default,
+The shapes are the family table's examples (`codegen.families.EXAMPLES`): `tiny` keeps tests fast; `toy` (the bench's default,
 called "bench" here) keeps a real model's routing (experts, top-k, shared experts, dense-first layers, MLA
 ranks) scaled to fit a CPU; `full` is a real checkpoint's published widths (the project's copy of its
 config, codegen/harness/published/) with two decoder layers and a small vocabulary, so one layer costs what it
@@ -13,7 +13,8 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
-from codegen.families import FAMILIES, FULL_WIDTH_CAPS, PUBLISHED_ROUTING_KEYS, TEXT_CONFIG, VISION_CONFIG
+from codegen import versions
+from codegen.families import EXAMPLES, FAMILIES, FULL_WIDTH_CAPS, PUBLISHED_ROUTING_KEYS, TEXT_CONFIG, VISION_CONFIG
 from codegen.modeldir.layout import CONFIG
 
 #: the example sizes, as `build_example(size=...)` names them
@@ -34,7 +35,7 @@ def published_config(name: str) -> dict:
 
 def shape(family: str, size: str) -> dict | None:
     """The config values of `family`'s example of `size` (None where the family has none of that size)."""
-    examples = FAMILIES[family].examples
+    examples = EXAMPLES.get(family)
     if examples is None:
         return None
     if size == "tiny":
@@ -81,18 +82,20 @@ def example_config(family: str, size: str = "tiny", overrides: dict | None = Non
         raise ValueError(f"{family} has no {size} example")
     values.update(overrides or {})
     row = FAMILIES[family]
+    if size == "tiny" and versions.is_legacy(transformers.__version__):
+        values.update(EXAMPLES[family].tiny_legacy)  # 4.x spells some keys otherwise
     if row.wrapper is None:
         return getattr(transformers, row.config_class)(**values)
     return transformers.AutoConfig.for_model(row.model_type, **{TEXT_CONFIG: _for_installed(values),
-                                                                VISION_CONFIG: dict(row.examples.vision or {})},
-                                             **row.examples.wrapper)
+                                                                VISION_CONFIG: dict(EXAMPLES[family].vision or {})},
+                                             **EXAMPLES[family].wrapper)
 
 
 def _for_installed(text: dict) -> dict:
     """Rotary settings as the installed transformers spells them: 4.x reads `rope_theta` + `rope_scaling`."""
     import transformers
 
-    if int(transformers.__version__.split(".")[0]) >= 5 or "rope_parameters" not in text:
+    if not versions.is_legacy(transformers.__version__) or "rope_parameters" not in text:
         return text
     rope = dict(text.pop("rope_parameters"))
     return {**text, "rope_theta": rope.pop("rope_theta", 10000.0), "rope_scaling": rope}

@@ -18,7 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from codegen.errors import VerifyFailed
-from codegen.harness.worker.protocol import PROGRESS, WORKER
+from codegen.harness.worker.protocol import PROGRESS
+from codegen.rank_commands import WORKER
 from codegen.ranks import LocalRanks, free_port, last_error_line, remove_shm_buffers
 
 

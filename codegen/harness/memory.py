@@ -20,6 +20,10 @@ from codegen.families import FAMILIES, fused_attr_names
 EXPERT_ATTRS = frozenset(family.experts_attr for family in FAMILIES.values())
 #: fused-expert Parameter names, any family
 FUSED = fused_attr_names()
+#: fused-expert Parameters an MoE block holds itself (no experts module: 4.x GraniteMoe's `input_linear.weight`)
+BLOCK_HELD = frozenset(f"{block}.{p}" for family in FAMILIES.values() for legacy in (False, True)
+                       if family.experts_attr_of(legacy) == "" for block in family.moe_block_attrs
+                       for p in family.names(legacy)[0].parameters)
 #: expert biases added after the row-parallel product: replicated on every rank, so counted with the rest
 ROW_PARALLEL_BIASES = frozenset(family.fused.down_bias for family in FAMILIES.values() if family.fused.down_bias)
 
@@ -47,6 +51,8 @@ def is_expert_param(name: str) -> bool:
     """A routed expert weight (sharded 1/tp by TP); a row-parallel expert bias counts as the rest (replicated)."""
     if name.endswith(tuple(f".{e}.{b}" for e in EXPERT_ATTRS for b in ROW_PARALLEL_BIASES)):
         return False
+    if name.endswith(tuple(f".{p}" for p in BLOCK_HELD)):
+        return True
     return any(f".{e}." in name or name.endswith(tuple(f".{e}.{f}" for f in FUSED)) for e in EXPERT_ATTRS)
 
 

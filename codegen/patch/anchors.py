@@ -16,19 +16,22 @@ import libcst.matchers as m
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from codegen.errors import BadSource
-from codegen.families import ANCHOR_RETURNED_ROUTED, ANCHOR_RETURNED_SUM, ANCHOR_ROUTED_FINAL, ANCHOR_SHARED_SUM, \
-    Family
+from codegen.families import ANCHOR_RETURNED_ROUTED, ANCHOR_RETURNED_SUM, ANCHOR_ROUTED_FINAL, \
+    ANCHOR_ROUTED_STATEMENT, ANCHOR_SHARED_INPLACE_SUM, ANCHOR_SHARED_SUM, Family
 from codegen.patch.target import RewriteTarget
 from codegen.policy.runtime.base import PATCH_MARKER, REDUCE_HELPER
 
 
 @dataclass(frozen=True)
 class Anchor:
-    """Where the reduction goes: a top-level statement of forward's body to insert after (or to wrap, a return)."""
+    """Where the reduction goes: a top-level statement of forward's body to insert after (or to wrap, a return);
+    or, at any depth, `statement` itself (its block gets the reduction after it; `index` is then its top-level
+    statement's)."""
 
     index: int
     variable: str
     line: int
+    statement: cst.SimpleStatementLine | None = None
 
 
 class LineNumbers:
@@ -197,21 +200,110 @@ def _find_shared_sum_anchor(forward: cst.FunctionDef, target: RewriteTarget, lin
     return anchor
 
 
-def _shared_names(body: list[cst.BaseStatement], attrs: tuple[str, ...]) -> set[str]:
-    """Names that carry the shared expert output, to a fixed point (`s = self.shared(x)`; `s = g * s`)."""
-    shared_names: set[str] = set()
+def _find_routed_statement_anchor(forward: cst.FunctionDef, target: RewriteTarget, lines: LineNumbers,
+                                  class_name: str) -> Anchor:
+    """The one statement `T = ...self.<experts>(...)...` of the forward, at any depth (Gemma 4's decoder layer calls
+    its experts inside `if self.enable_moe_block:`): the reduction goes right after it, in its own block, so every
+    path that computes the routed output reduces it once and nothing reads it before. Refused inside a loop (a
+    reduction per iteration) or a nested function, and where the experts are called more than once."""
+    experts = (target.family.experts_attr,)
+    body = list(forward.body.body)
+    call = m.Call(func=_self_attr(experts))
+    found: list[Anchor] = []
+    for index, stmt in enumerate(body):
+        for line in m.findall(stmt, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(target=m.Name())])])):
+            if m.findall(line.body[0].value, call):
+                found.append(Anchor(index, line.body[0].targets[0].target.value, lines[line], line))
+    calls = [c for stmt in body for c in m.findall(stmt, call)]
+    if not found:
+        raise BadSource(
+            f"no recognisable routed experts output (`T = self.{experts[0]}(...)`) in {class_name}.forward of "
+            f"{version_hint(target)}"
+        )
+    if len(found) > 1 or len(calls) > 1:
+        raise BadSource(
+            f"{class_name}.forward calls its routed experts {max(len(found), len(calls))} times (lines "
+            f"{', '.join(str(lines[c]) for c in calls)}) in {target.display_name}: cannot place one reduction"
+        )
+    anchor = found[0]
+    inside = [n for stmt in body for n in m.findall(stmt, m.For() | m.While() | m.FunctionDef())
+              if _holds(n, anchor.statement)]
+    if inside:
+        raise BadSource(
+            f"{class_name}.forward computes its routed experts' output inside a loop or a nested function (line "
+            f"{anchor.line}) in {target.display_name}: one reduction after it would run more than once"
+        )
+    return anchor
+
+
+def _holds(node: cst.CSTNode, statement: cst.CSTNode) -> bool:
+    """Whether `statement` (a node of the same tree) is `node` or below it."""
+    return any(found is statement for found in m.findall(node, m.SimpleStatementLine()))
+
+
+#: the in-place sums of torch a tensor accumulates another's values with
+_INPLACE_SUMS = ("add_", "scatter_add_", "index_add_")
+
+
+def _find_shared_inplace_sum_anchor(forward: cst.FunctionDef, target: RewriteTarget, lines: LineNumbers,
+                                    class_name: str) -> Anchor:
+    """The routed experts' sum is added in place to the shared expert output, or the other way round: a top-level
+    `T.add_(X)` statement (or `T.scatter_add_(..., src=X)` / `T.index_add_(..., X)`: Llama 4 before 4.54) where one of
+    `T` and the call's arguments carries the shared expert output (a `self.<shared>` call, or a name assigned from
+    one) and the other does not. `T` holds the sum after it: it is reduced right there."""
+    attrs = target.family.shared_experts
+    body = list(forward.body.body)
+    shared_names = _shared_names(body, attrs)
+    inplace = m.Expr(value=m.Call(func=m.Attribute(value=m.Name(), attr=m.OneOf(*[m.Name(n) for n in _INPLACE_SUMS]))))
+    found: list[Anchor] = []
+    for index, stmt in enumerate(body):
+        if not m.matches(stmt, m.SimpleStatementLine(body=[inplace])):
+            continue
+        call = stmt.body[0].value
+        name = call.func.value.value
+        added = any(_mentions(arg.value, attrs, shared_names) for arg in call.args)
+        if [name in shared_names, added].count(True) == 1:
+            found.append(Anchor(index, name, lines[call]))
+    if not found:
+        raise BadSource(
+            f"no recognisable in-place expert sum (`shared.add_(routed)`) in {class_name}.forward of "
+            f"{version_hint(target)}"
+        )
+    if len(found) > 1:
+        raise BadSource(
+            f"{class_name}.forward adds the shared expert in place {len(found)} times (lines "
+            f"{', '.join(str(a.line) for a in found)}) in {target.display_name}: cannot place one reduction"
+        )
+    anchor = found[0]
+    for stmt in body[: anchor.index + 1]:
+        returns = m.findall(stmt, m.Return())
+        if returns:
+            raise BadSource(
+                f"{class_name}.forward returns at line {lines[returns[0]]} before the expert sum at line "
+                f"{anchor.line} in {target.display_name}: one reduction cannot cover every path"
+            )
+    return anchor
+
+
+def _names_carrying(body: list[cst.BaseStatement], carries) -> set[str]:
+    """Names assigned from a value that `carries(value, names so far)`, to a fixed point."""
+    names: set[str] = set()
     assigns = [a for stmt in body for a in m.findall(stmt, m.Assign(targets=[m.AssignTarget(target=m.Name())]))]
     changed = True
     while changed:
         changed = False
         for assign in assigns:
             name = assign.targets[0].target.value
-            if name in shared_names or m.matches(assign.value, m.BinaryOperation(operator=m.Add())):
-                continue
-            if _mentions(assign.value, attrs, shared_names):
-                shared_names.add(name)
+            if name not in names and carries(assign.value, names):
+                names.add(name)
                 changed = True
-    return shared_names
+    return names
+
+
+def _shared_names(body: list[cst.BaseStatement], attrs: tuple[str, ...]) -> set[str]:
+    """Names that carry the shared expert output (`s = self.shared(x)`; `s = g * s`), not a sum with it."""
+    return _names_carrying(body, lambda value, names: not m.matches(value, m.BinaryOperation(operator=m.Add()))
+                           and _mentions(value, attrs, names))
 
 
 def _binds(node: cst.CSTNode, name: str) -> bool:
@@ -326,17 +418,27 @@ def _find_returned_sum_anchor(forward: cst.FunctionDef, target: RewriteTarget, l
 
 def _find_returned_routed_anchor(forward: cst.FunctionDef, target: RewriteTarget, lines: LineNumbers,
                                  class_name: str) -> Anchor:
-    """No shared expert, and the routed experts are called inside the `return` (`return self.<experts>(...).view()`,
-    or a tuple's first element): the returned value is reduced. The forward's only `return` ends it."""
-    experts = target.family.experts_attr
+    """No shared expert, and the block returns the routed experts' output (`return self.<experts>(...).view()`, or
+    a name that carries it: `out = self.<experts>(...)`, `out = zeros.index_add(0, idx, out)`, `return out`; alone or
+    a tuple's first element): the returned value is reduced. The forward's only `return` ends it. The experts are
+    every attribute holding them in any generation (a block holding its expert modules itself names those)."""
+    experts = target.family.expert_modules
     body = list(forward.body.body)
     ret = _only_return(body, lines, class_name, target, "routed experts' output")
-    if not m.findall(_returned_value(ret), m.Call(func=_self_attr((experts,)))):
+    value = _returned_value(ret)
+    if value is None or not (m.findall(value, m.Call(func=_self_attr(experts)))
+                             or any(m.findall(value, m.Name(n)) for n in _carriers(body, experts))):
         raise BadSource(
-            f"no recognisable returned routed experts output (`return self.{experts}(...)`) in {class_name}.forward "
+            f"no recognisable returned routed experts output (`return self.{experts[0]}(...)`) in {class_name}.forward "
             f"of {version_hint(target)}"
         )
     return Anchor(len(body) - 1, "return value", lines[ret])
+
+
+def _carriers(body: list[cst.BaseStatement], attrs: tuple[str, ...]) -> set[str]:
+    """Names assigned from a `self.<attr>(...)` call or from a name that carries one."""
+    return _names_carrying(body, lambda value, names: bool(m.findall(value, m.Call(func=_self_attr(attrs))))
+                           or any(m.findall(value, m.Name(n)) for n in names))
 
 
 def _only_return(body: list[cst.BaseStatement], lines: LineNumbers, class_name: str, target: RewriteTarget,
@@ -397,4 +499,6 @@ _ANCHOR_FINDERS = {
     ANCHOR_ROUTED_FINAL: _find_routed_final_anchor,
     ANCHOR_RETURNED_SUM: _find_returned_sum_anchor,
     ANCHOR_RETURNED_ROUTED: _find_returned_routed_anchor,
+    ANCHOR_SHARED_INPLACE_SUM: _find_shared_inplace_sum_anchor,
+    ANCHOR_ROUTED_STATEMENT: _find_routed_statement_anchor,
 }

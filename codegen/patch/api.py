@@ -18,6 +18,7 @@ from codegen.modeldir.directory import ModelDir
 from codegen.modeldir.layout import CONFIG
 from codegen.patch.source import installed_transformers_version
 from codegen.patch.config import canonical_model_type
+from codegen.versions import release_of
 
 PATCH_HINT = "python -m codegen patch"
 
@@ -109,17 +110,13 @@ def _up_to_date_fast(md: ModelDir, fingerprint: dict, manifest: Manifest) -> boo
     return manifest.inputs == fingerprint and md.exactly_as_written(manifest)
 
 
-def _release(version: str | None) -> str | None:
-    return ".".join(version.split(".")[:2]) if version else None
-
-
 def _transformers_drift(md: ModelDir, manifest: Manifest) -> str | None:
     """A dir patched from transformers' own code under another release: its modeling file refuses to load."""
     source = manifest.source
     if source is None or source.kind not in ("builtin", "override") or not source.transformers_version:
         return None
     installed = installed_transformers_version()
-    if _release(installed) == _release(source.transformers_version):
+    if release_of(installed) == release_of(source.transformers_version):
         return None
     return (f"{md.path}: patched for transformers {source.transformers_version}, but transformers "
             f"{installed or '(none)'} is installed: the patched modeling file refuses to load; run "

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from codegen.errors import BadInput
-from codegen.families import ALIASES, FAMILIES, KNOB, REFUSED, SPARSE_LAYER, UNSUPPORTED, Family, family_named, \
-    normalise_model_type, sizes_of, supported_model_types
+from codegen.families import ALIASES, FAMILIES, KNOB, REFUSED, SPARSE_LAYER, UNSUPPORTED, UNSUPPORTED_STOCK, \
+    Family, family_named, normalise_model_type, sizes_of, supported_model_types
 from codegen.modeldir.layout import CONFIG
 
 
@@ -36,8 +36,8 @@ def family_of(config: dict, directory: Path) -> Family:
     raw = config.get("model_type")
     key = normalise_model_type(raw)
     if key is None:
-        raise BadInput(f"{directory / CONFIG}: model_type {raw!r} {_why_not(raw)}; stock DeepSpeed AutoTP still runs "
-                       f"the unpatched dir (supported: {', '.join(supported_model_types())})")
+        raise BadInput(f"{directory / CONFIG}: model_type {raw!r} {_why_not(raw)}; {_stock_of(raw)} (supported: "
+                       f"{', '.join(supported_model_types())})")
     alias = ALIASES.get(key)
     if alias is not None and not isinstance(config.get("auto_map"), dict):
         raise BadInput(f"{directory / CONFIG}: model_type {raw!r} checkpoints ship their modeling code "
@@ -60,6 +60,16 @@ def _why_not(raw: object) -> str:
     if known is not None:
         return f"is {'refused' if known.status == REFUSED else 'not supported yet'}: {known.why}{_nearest(raw)}"
     return f"is not supported yet{_nearest(raw)}"
+
+
+def _stock_of(raw: object) -> str:
+    """What stock DeepSpeed AutoTP does to the unpatched dir, as measured: never advice that leads to a crash or a
+    silently wrong sum."""
+    key = raw.strip().lower().replace("-", "_") if isinstance(raw, str) else None
+    measured = UNSUPPORTED_STOCK.get(key) if key else None
+    if measured is not None:
+        return f"stock DeepSpeed AutoTP on the unpatched dir {measured}"
+    return "stock DeepSpeed AutoTP on it is not measured here: compare its logits with one process before serving it"
 
 
 def _nearest(raw: object) -> str:
@@ -117,6 +127,7 @@ def moe_layers(sizes: dict, family: Family) -> list[int]:
     dense = value(rule.dense_list)
     dense = set(dense) if isinstance(dense, list) else set()
     step, first, last, freq = (value(k) for k in (rule.sparse_step, rule.first_dense, rule.last_moe, rule.freq))
+    offset = value(rule.offset) if isinstance(value(rule.offset), int) else 0
     last = last if isinstance(last, int) and last >= 0 else count - 1
     out = []
     for i in range(count):
@@ -126,7 +137,7 @@ def moe_layers(sizes: dict, family: Family) -> list[int]:
             continue
         if isinstance(first, int) and i < first:
             continue
-        if isinstance(freq, int) and freq > 0 and i % freq:
+        if isinstance(freq, int) and freq > 0 and i % freq != offset:
             continue
         out.append(i)
     return out
@@ -173,3 +184,19 @@ def check_tp_divides(config: dict, family: Family, tp: int, where: Path) -> None
         if isinstance(value, int) and not isinstance(value, bool) and value % tp:
             raise BadInput(f"{where}: --tp {tp} does not divide {key} = {value}: pick a tensor-parallel size "
                            "that divides it")
+
+
+def check_rank_dir(model_dir: Path, tp: int, command: str) -> str | None:
+    """What `verify`, `serve` and `generate` check before any rank starts: a positive `tp`, a readable config.json,
+    and `tp` dividing every size the family splits. Returns the canonical model type (None: not a family codegen
+    knows, which the caller refuses or not); anything wrong is one line (BadInput)."""
+    if tp < 1:
+        raise BadInput(f"--tp must be a positive integer, got {tp}")
+    config_path = model_dir / CONFIG
+    if not config_path.is_file():
+        raise BadInput(f"{model_dir}: no {CONFIG}: point {command} at a patched model dir")
+    config = parse_config(config_path.read_bytes(), model_dir)
+    model_type = normalise_model_type(config.get("model_type"))
+    if model_type is not None:
+        check_tp_divides(config, family_named(model_type), tp, config_path)
+    return model_type

@@ -17,7 +17,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from codegen import __version__
+from codegen import __version__, versions
 from codegen.errors import BadSource
 from codegen.families import FAMILIES, KNOB, Family, sizes_of
 from codegen.modeldir.directory import ModelDir
@@ -30,8 +30,8 @@ PACKAGE = Path(__file__).resolve().parent.parent
 #: the code whose every byte shapes what `patch` writes: the patch path, the policy (its runtime is embedded),
 #: the config.json editor and the templates; the family table counts by its rows' output-shaping fields
 #: (Family.output_data), so editing the harness, the bench or an example shape leaves users' dirs up to date
-OUTPUT_CODE = (PACKAGE / "patch", PACKAGE / "policy", PACKAGE / "modeldir" / "configjson.py",
-               PACKAGE.parent / "templates", PACKAGE / "templates")
+OUTPUT_CODE = (PACKAGE / "patch", PACKAGE / "policy", PACKAGE / "modeldir" / "configjson.py", PACKAGE / "versions.py",
+               PACKAGE / "render.py", PACKAGE / "templates")
 
 
 @dataclass
@@ -173,15 +173,21 @@ def guard_version_of(source: ModelSource) -> str | None:
 
 def is_legacy(source: ModelSource) -> bool:
     """A transformers 4.x source (the family's Legacy names apply); remote code names as 5.x does."""
-    version = source.transformers_version if source.kind in ("builtin", "override") else None
-    return bool(version) and version.split(".")[0].isdigit() and int(version.split(".")[0]) < 5
+    return source.kind in ("builtin", "override") and versions.is_legacy(source.transformers_version)
+
+
+def family_policy(family: Family, modeling_module: str, legacy: bool) -> str:
+    """The `autotp_policy.py` for a source of this family (`legacy`: a transformers 4.x source, whose names the
+    family's Legacy row gives): the table's data handed to the renderer as plain data."""
+    from codegen.policy.assemble import render_policy
+
+    return render_policy(family.policy_layout(legacy), next(iter(family.auto_classes)), KNOB, modeling_module)
 
 
 def build_plan(inputs: Inputs) -> Plan:
     # libcst and jinja2 are the slow imports: only a plan that has work to do pays for them
     from codegen.modeldir import configjson
-    from codegen.patch.rewrite import RewriteTarget, rewrite_modeling
-    from codegen.policy.assemble import render_policy
+    from codegen.patch.rewrite import RewriteTarget, SourceToRewrite, rewrite_modeling, rewrite_wrapper
 
     family, source, text = inputs.family, inputs.source, inputs.text_source
     restore = restore_info(inputs.config, family)
@@ -191,14 +197,13 @@ def build_plan(inputs: Inputs) -> Plan:
         rewrite = rewrite_modeling(source.text, target, guard_version_of(source), restore)
         modeling = {source.output_name: rewrite.code}
     else:  # the MoE blocks live in the text decoder's module; the wrapper's own module builds it from there
+        target = RewriteTarget(family, source.package, shipped, source.origin_path, source.transformers_version)
         text_target = RewriteTarget(family, text.package, frozenset(), text.origin_path, text.transformers_version)
-        rewrite = rewrite_modeling(text.text, text_target, guard_version_of(text), None)
-        target = RewriteTarget(family, source.package, shipped | {text.module_name}, source.origin_path,
-                               source.transformers_version, moe_block=False, text_import=text.module_name,
-                               fused_text=rewrite.fused_experts)
-        wrapper = rewrite_modeling(source.text, target, guard_version_of(source), restore)
+        rewrite, wrapper = rewrite_wrapper(SourceToRewrite(source.text, target, guard_version_of(source)),
+                                           SourceToRewrite(text.text, text_target, guard_version_of(text)),
+                                           text.module_name, restore)
         modeling = {source.output_name: wrapper.code, text.output_name: rewrite.code}
-    policy = render_policy(family, source.module_name, is_legacy(source))
+    policy = family_policy(family, source.module_name, is_legacy(source))
     updates, changes = config_updates(inputs.config, family, source.module_name, inputs.coalesce)
     files = {
         **{name: code.encode("utf-8") for name, code in modeling.items()},

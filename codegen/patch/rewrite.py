@@ -2,35 +2,37 @@
 transformers (codegen.patch.transforms), and the black-style safety check (codegen.patch.safety).
 
 Parses only: the source is never imported or executed. The generated pieces (the helper block with the
-marker, the version guard) are rendered from templates/ and inserted as parsed code.
+marker, the version guard) are rendered from codegen/templates/ and inserted as parsed code.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import libcst as cst
 import libcst.matchers as m
 
 from codegen import __version__
 from codegen.errors import BadSource
-from codegen.families import ANCHOR_RETURNED_ROUTED, ANCHOR_RETURNED_SUM, ANCHOR_ROUTED_FINAL, KNOB, TEXT_CONFIG, \
-    Family
+from codegen.families import ANCHOR_RETURNED_ROUTED, ANCHOR_RETURNED_SUM, ANCHOR_ROUTED_FINAL, \
+    ANCHOR_ROUTED_STATEMENT, KNOB, TEXT_CONFIG, Family
 from codegen.patch.anchors import LineNumbers, class_line, find_anchor, find_forward, find_moe_class, \
     has_fused_experts, parse_source
 from codegen.render import render
+from codegen.versions import release_of
 from codegen.patch.safety import check_only_intended_changes
 from codegen.patch.target import RewriteTarget
 from codegen.patch.transforms import AUTO_FROM_CONFIG, VERSION_GUARD, AbsolutizeImports, AddModuleBlock, \
-    BuildTextModelHere, DeclareNativeLoading, InsertCoalescedReduction, InsertVersionGuard, TakeTextConfig, \
-    WrapReturnedValue
+    BuildTextModelHere, DeclareNativeLoading, InsertCoalescedReduction, InsertReductionAfterStatement, \
+    InsertVersionGuard, TakeTextConfig, WrapReturnedValue
 from codegen.policy.runtime.base import PATCH_MARKER, REDUCE_HELPER, REDUCER_ATTR
 
 #: the comment above the reduction (a block with a shared expert; `ROUTED_REDUCTION_COMMENT` without one)
 REDUCTION_COMMENT = "# codegen: one all-reduce per MoE layer covers routed + shared experts"
 ROUTED_REDUCTION_COMMENT = "# codegen: one all-reduce per MoE layer covers the routed experts"
 #: anchor kind (codegen.families.ANCHOR_*) -> the comment above an inserted reduction
-_REDUCTION_COMMENTS = {ANCHOR_ROUTED_FINAL: ROUTED_REDUCTION_COMMENT, ANCHOR_RETURNED_ROUTED: ROUTED_REDUCTION_COMMENT}
+_REDUCTION_COMMENTS = {ANCHOR_ROUTED_FINAL: ROUTED_REDUCTION_COMMENT, ANCHOR_RETURNED_ROUTED: ROUTED_REDUCTION_COMMENT,
+                       ANCHOR_ROUTED_STATEMENT: ROUTED_REDUCTION_COMMENT}
 #: anchor kinds whose reduction wraps the returned value
 _RETURNED = (ANCHOR_RETURNED_SUM, ANCHOR_RETURNED_ROUTED)
 
@@ -56,6 +58,27 @@ def rewrite_modeling(text: str, target: RewriteTarget, guard_version: str | None
     return rewrite_source(text, target, helper, guard)
 
 
+@dataclass(frozen=True)
+class SourceToRewrite:
+    """One modeling source as `rewrite_modeling` takes it."""
+
+    text: str
+    target: RewriteTarget
+    guard_version: str | None
+
+
+def rewrite_wrapper(wrapper: SourceToRewrite, decoder: SourceToRewrite, decoder_module: str,
+                    restore: dict | None) -> tuple[Rewrite, Rewrite]:
+    """A multimodal wrapper whose text decoder lives in another family's module (`decoder_module`, written beside the
+    wrapper's): that module gets the MoE rewrite, then the wrapper's own module builds its decoder from it.
+    Returns (decoder's rewrite, wrapper's rewrite); `restore` is recorded in the wrapper's module, which config.json
+    names."""
+    text = rewrite_modeling(decoder.text, decoder.target, decoder.guard_version, None)
+    target = replace(wrapper.target, shipped_modules=wrapper.target.shipped_modules | {decoder_module},
+                     moe_block=False, text_import=decoder_module, fused_text=text.fused_experts)
+    return text, rewrite_modeling(wrapper.text, target, wrapper.guard_version, restore)
+
+
 def rewrite_source(text: str, target: RewriteTarget, helper_block: str, version_guard: str | None = None) -> Rewrite:
     """Rewrite one modeling source. Parses only: the source is never imported or executed."""
     try:
@@ -78,7 +101,8 @@ def _rewrite(text: str, target: RewriteTarget, helper_block: str, version_guard:
         anchor = find_anchor(forward, target, LineNumbers(moe_class, class_line(parsed.tree, class_name)), class_name)
         fused = has_fused_experts(module, moe_class, family)
         comment = _REDUCTION_COMMENTS.get(family.anchor, REDUCTION_COMMENT)
-        edit = WrapReturnedValue if family.anchor in _RETURNED else InsertCoalescedReduction
+        edit = WrapReturnedValue if family.anchor in _RETURNED else InsertReductionAfterStatement \
+            if anchor.statement is not None else InsertCoalescedReduction
         patched = patched.visit(edit(moe_class, forward, anchor, comment))
         found = (class_name, anchor)
     built = _build_text_model_here(patched, target)
@@ -129,7 +153,7 @@ def _take_text_config(module: cst.Module, target: RewriteTarget) -> cst.Module:
     wrapper = target.family.wrapper
     if wrapper is None or not wrapper.causal_lm or not target.moe_block:
         return module
-    take = TakeTextConfig(wrapper.causal_lm)
+    take = TakeTextConfig(wrapper.causal_lm, wrapper.replicated)
     patched = module.visit(take)
     if take.added != 1:
         raise BadSource(f"{target.display_name} has no class {wrapper.causal_lm} without its own from_pretrained: "
@@ -151,5 +175,5 @@ def render_helper_block(family: Family, restore: dict | None = None, text_import
 
 def render_version_guard(transformers_version: str) -> str:
     """The guard that refuses to load transformers' own patched code under another release (major.minor)."""
-    release = ".".join(transformers_version.split(".")[:2])
+    release = release_of(transformers_version)
     return render("modeling_guard.py.j2", guard=VERSION_GUARD, generated_with=transformers_version, release=release)

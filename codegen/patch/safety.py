@@ -16,7 +16,7 @@ from codegen.errors import BadSource
 from codegen.families import TEXT_CONFIG
 from codegen.patch.target import RewriteTarget
 from codegen.patch.transforms import AUTO_FROM_CONFIG, CLASS_FROM_CONFIG, NATIVE_LOADING_METHOD, TEXT_CONFIG_LOADER, \
-    VERSION_GUARD
+    VERSION_GUARD, TakeTextConfig
 from codegen.policy.runtime.base import PATCH_MARKER, REDUCE_HELPER
 
 
@@ -44,10 +44,18 @@ def _strip_codegen(tree: ast.Module, target: RewriteTarget) -> ast.Module:
                     setattr(node, attr, [s for s in stmts if not _is_codegen_stmt(s, target)])
             if isinstance(node, ast.ClassDef) and causal_lm and node.name == causal_lm:  # TakeTextConfig's override
                 node.body = [s for s in node.body if not (isinstance(s, ast.FunctionDef)
-                                                          and s.name == TEXT_CONFIG_LOADER)]
+                                                          and s.name == TEXT_CONFIG_LOADER)
+                             and not _is_ignored_wrapper_keys(s, wrapper.replicated)]
             return node
 
     return Strip().visit(tree)
+
+
+def _is_ignored_wrapper_keys(stmt: ast.stmt, parts: tuple[str, ...]) -> bool:
+    """TakeTextConfig's class attribute: the wrapper parts' key patterns, exactly as it writes them."""
+    return (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+            and stmt.targets[0].id == TakeTextConfig.IGNORED_KEYS and isinstance(stmt.value, ast.List)
+            and [getattr(e, "value", None) for e in stmt.value.elts] == [rf"(^|\.){part}\." for part in parts])
 
 
 def _unwrap_codegen(tree: ast.Module) -> ast.Module:
@@ -88,9 +96,10 @@ def _normalised(tree: ast.Module, target: RewriteTarget) -> str:
             """`<TextModel>._from_config(x.text_config)` reads as the auto-class call it replaces (in both trees)."""
             self.generic_visit(node)
             func = node.func
+            given = [*node.args, *(k.value for k in node.keywords if k.arg == "config")]  # `config=` in 5.5's Gemma 4
             if text_model and isinstance(func, ast.Attribute) and func.attr == CLASS_FROM_CONFIG \
-                    and isinstance(func.value, ast.Name) and func.value.id == text_model and len(node.args) == 1 \
-                    and isinstance(node.args[0], ast.Attribute) and node.args[0].attr == TEXT_CONFIG:
+                    and isinstance(func.value, ast.Name) and func.value.id == text_model and len(given) == 1 \
+                    and isinstance(given[0], ast.Attribute) and given[0].attr == TEXT_CONFIG:
                 node.func = ast.Attribute(value=ast.Name(id=AUTO_FROM_CONFIG[0], ctx=ast.Load()),
                                           attr=AUTO_FROM_CONFIG[1], ctx=ast.Load())
             return node

@@ -27,13 +27,20 @@ from codegen.policy.runtime.base import REDUCE_HELPER
 
 #: the class method `DeclareNativeLoading` adds (transformers asks it whether a class is remote code)
 NATIVE_LOADING_METHOD = "is_custom_code"
-#: the function `InsertVersionGuard` adds and calls (templates/modeling_guard.py.j2 defines it)
+#: the function `InsertVersionGuard` adds and calls (codegen/templates/modeling_guard.py.j2 defines it)
 VERSION_GUARD = "_codegen_require_transformers"
 
 
-class _MoEForwardTransformer(cst.CSTTransformer):
-    """Base for edits of one MoE block's `forward`: the very node detection found (codegen.patch.anchors: the
-    method of the top-level class the table names), matched by identity; nothing else is visited."""
+def reduction_line(variable: str, comment: str) -> cst.SimpleStatementLine:
+    """`T = _codegen_moe_all_reduce(self, T)` under its comment."""
+    var = cst.Name(variable)
+    return cst.SimpleStatementLine(body=[cst.Assign(targets=[cst.AssignTarget(var)], value=reduced(var))],
+                                   leading_lines=[cst.EmptyLine(comment=cst.Comment(comment))])
+
+
+class _MoEBlockEdit(cst.CSTTransformer):
+    """Base for edits of one MoE block: the very nodes detection found (codegen.patch.anchors: the `forward` of the
+    top-level class the table names), matched by identity; no other class is visited."""
 
     def __init__(self, moe_class: cst.ClassDef, forward: cst.FunctionDef, anchor: Anchor, comment: str) -> None:
         super().__init__()
@@ -44,6 +51,10 @@ class _MoEForwardTransformer(cst.CSTTransformer):
 
     def visit_ClassDef(self, node: cst.ClassDef) -> bool:
         return node is self.moe_class
+
+
+class _MoEForwardTransformer(_MoEBlockEdit):
+    """Base for edits of the MoE block's `forward` body as a whole (its top-level statements)."""
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
         return False  # the forward's body is edited whole on the way out
@@ -62,13 +73,29 @@ class InsertCoalescedReduction(_MoEForwardTransformer):
     """`T = _codegen_moe_all_reduce(self, T)` right after the MoE block's anchor statement."""
 
     def rewrite_forward(self, body: list[cst.BaseStatement]) -> list[cst.BaseStatement]:
-        var = cst.Name(self.anchor.variable)
-        reduction = cst.SimpleStatementLine(
-            body=[cst.Assign(targets=[cst.AssignTarget(var)], value=reduced(var))],
-            leading_lines=[cst.EmptyLine(comment=cst.Comment(self.comment))],
-        )
-        body.insert(self.anchor.index + 1, reduction)
+        body.insert(self.anchor.index + 1, reduction_line(self.anchor.variable, self.comment))
         return body
+
+
+class InsertReductionAfterStatement(_MoEBlockEdit):
+    """`T = _codegen_moe_all_reduce(self, T)` right after the anchor's statement, in the block that holds it (at any
+    depth of the MoE block's forward: inside an `if`)."""
+
+    def __init__(self, moe_class: cst.ClassDef, forward: cst.FunctionDef, anchor: Anchor, comment: str) -> None:
+        super().__init__(moe_class, forward, anchor, comment)
+        self.inserted = 0
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        return node is self.forward
+
+    def leave_IndentedBlock(self, original_node: cst.IndentedBlock, updated_node: cst.IndentedBlock) -> cst.IndentedBlock:
+        at = next((i for i, stmt in enumerate(original_node.body) if stmt is self.anchor.statement), None)
+        if at is None:
+            return updated_node
+        self.inserted += 1
+        body = list(updated_node.body)
+        body.insert(at + 1, reduction_line(self.anchor.variable, self.comment))
+        return updated_node.with_changes(body=body)
 
 
 class WrapReturnedValue(_MoEForwardTransformer):
@@ -215,9 +242,15 @@ class TakeTextConfig(cst.CSTTransformer):
         f"    return super().{TEXT_CONFIG_LOADER}(*args, config=config, **kwargs)\n"
     )
 
-    def __init__(self, class_name: str) -> None:
+    #: the class attribute transformers' loader reads the checkpoint keys it may leave unused from
+    IGNORED_KEYS = "_keys_to_ignore_on_load_unexpected"
+
+    def __init__(self, class_name: str, wrapper_parts: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.class_name = class_name
+        #: the wrapper's own modules (vision tower, projector): their checkpoint keys are the multimodal checkpoint's,
+        #: not this class's; where the class names no keys it ignores, it is given theirs
+        self.wrapper_parts = wrapper_parts
         self.added = 0
 
     def visit_ClassDef(self, node: cst.ClassDef) -> bool:
@@ -232,7 +265,19 @@ class TakeTextConfig(cst.CSTTransformer):
             return updated_node
         self.added += 1
         method = cst.parse_statement(self.METHOD).with_changes(leading_lines=[cst.EmptyLine(indent=False)])
-        return updated_node.with_changes(body=updated_node.body.with_changes(body=[*updated_node.body.body, method]))
+        extra = [] if not self.wrapper_parts or m.findall(original_node.body, m.AssignTarget(
+            target=m.Name(self.IGNORED_KEYS))) else [self._ignored_keys()]
+        return updated_node.with_changes(body=updated_node.body.with_changes(
+            body=[*updated_node.body.body, *extra, method]))
+
+    def _ignored_keys(self) -> cst.BaseStatement:
+        """The class attribute naming each wrapper part's keys (a pattern per part): loaded from the multimodal
+        checkpoint, the text-only class leaves those weights unused, as it should, without an UNEXPECTED key."""
+        patterns = ", ".join(f'r"(^|\\.){part}\\."' for part in self.wrapper_parts)
+        comment = ("# codegen: loaded from a multimodal checkpoint, the wrapper's own modules' weights are not this "
+                   "class's")
+        return cst.parse_statement(f"{self.IGNORED_KEYS} = [{patterns}]\n").with_changes(
+            leading_lines=[cst.EmptyLine(indent=False), cst.EmptyLine(comment=cst.Comment(comment))])
 
 
 def _is_import(stmt: cst.CSTNode) -> bool:

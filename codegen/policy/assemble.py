@@ -1,8 +1,8 @@
 """The generated `autotp_policy.py`: a short rendered header (the family's layout as data) + the runtime, assembled.
 
 The policy logic lives in codegen/policy/runtime/, normal modules that are linted and unit-tested. The file
-`patch` writes is their text joined in `PARTS` order after a header the template renders from
-`Family.policy_layout()`, so it runs where codegen is not installed. A part may import earlier parts, only
+`patch` writes is their text joined in `PARTS` order after a header the template renders from the family's
+layout as plain data (`Family.policy_layout()`, passed in by the patch path: the policy never reads the table), so it runs where codegen is not installed. A part may import earlier parts, only
 with top-level `from codegen.policy.runtime.<part> import ...` statements: assembling drops exactly those
 (in one file the names are already defined above) and checks that every name they import is defined by an
 earlier part; everything else is embedded verbatim. The header records the assembled runtime's sha256.
@@ -16,7 +16,6 @@ import types
 from functools import lru_cache
 from pathlib import Path
 
-from codegen.families import KNOB, Family
 from codegen.render import render
 from codegen.policy.runtime import PARTS
 
@@ -89,24 +88,24 @@ def runtime_module(name: str = "codegen_policy_runtime") -> types.ModuleType:
     return module
 
 
-def render_header(family: Family, modeling_module: str, runtime_sha: str, legacy: bool = False) -> str:
-    """The rendered header alone: docstring, LAYOUT, KNOB, MODELING_MODULE, RUNTIME_SHA256 (`legacy`: the layout
-    of the family's transformers 4.x sources)."""
+def render_header(layout: dict, auto_class: str, knob: str, modeling_module: str, runtime_sha: str) -> str:
+    """The rendered header alone: docstring, LAYOUT, KNOB, MODELING_MODULE, RUNTIME_SHA256. `layout` is the family's
+    plain layout data, `auto_class` the auto class its docstring shows loading the dir, `knob` the config key."""
     return render(
         "autotp_policy.py.j2",
-        layout=family.policy_layout(legacy),
-        auto_class=next(iter(family.auto_classes)),
-        knob=KNOB,
+        layout=layout,
+        auto_class=auto_class,
+        knob=knob,
         modeling_module=modeling_module,
         runtime_sha256=runtime_sha,
         separator=SEPARATOR.rstrip("\n"),
     )
 
 
-def render_policy(family: Family, modeling_module: str, legacy: bool = False) -> str:
+def render_policy(layout: dict, auto_class: str, knob: str, modeling_module: str) -> str:
     """The `autotp_policy.py` `patch` writes next to the patched `<modeling_module>.py`: header + runtime."""
     runtime = runtime_text()
-    text = render_header(family, modeling_module, runtime_sha256(runtime), legacy) + runtime
+    text = render_header(layout, auto_class, knob, modeling_module, runtime_sha256(runtime)) + runtime
     ast.parse(text, filename=f"{POLICY_MODULE}.py")
     return text
 

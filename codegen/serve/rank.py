@@ -1,11 +1,13 @@
 """One rank of `serve` / `generate`: `python -m codegen _serve --spec S` (started by codegen.serve.launch).
 
 Every rank loads the patched dir and shards it with the dir's own policy. Rank 0 also runs the HTTP front
-(codegen.serve.http) in a thread, or holds the one request of `generate`; its serving loop takes the next batch
-of waiting jobs and broadcasts what to generate (prompt ids, token budgets, sampling, the seed) to every rank,
-and all ranks generate it together, rank 0 streaming the tokens back to the jobs. When nothing waits, rank 0
-broadcasts an idle beat every IDLE_BEAT_S, so the ranks' blocking collectives never time out. Ctrl-C goes to the
-launcher, which stops the ranks; a rank ignores it itself.
+(codegen.serve.http, uvicorn in a thread), or holds the one request of `generate`. The serving loop is continuous
+batching: each step rank 0 asks its scheduler (codegen.serve.batching) for the step's composition (rows leaving,
+the running rows' last tokens, prompts joining) and broadcasts it; every rank runs the same step
+(codegen.serve.engine), and rank 0 samples each row's next token from the logits and hands it to its request.
+When nothing runs or waits, rank 0 broadcasts an idle beat every IDLE_BEAT_S, so the ranks' blocking collectives
+never time out. The launcher stops the ranks (SIGTERM, then SIGKILL); a rank ignores Ctrl-C itself and dies with
+its launcher (PR_SET_PDEATHSIG), so no rank outlives `codegen serve` whatever ends it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from codegen.serve.batching import Batcher, BatchStreamer, Job
+from codegen.errors import BadInput
+from codegen.serve.batching import DONE, ERROR, TOKEN, Scheduler, Seq
 from codegen.serve.protocol import Sampling
 
 #: how long rank 0 waits for a request before it broadcasts an idle beat
@@ -26,47 +29,17 @@ IDLE_BEAT_S = 1.0
 READY = "@@codegen-serve-ready "
 
 
-def describe(jobs: list[Job], pad_id: int, eos_ids: list[int]) -> dict:
-    """What every rank needs to generate a batch: plain data, broadcast from rank 0."""
-    sampling = jobs[0].sampling
-    return {"prompts": [j.prompt_ids for j in jobs], "limits": [j.max_tokens for j in jobs],
-            "sampling": sampling.generate_kwargs(), "seed": sampling.seed, "pad": pad_id, "eos": eos_ids}
+def _die_with_parent() -> None:
+    """SIGKILL this rank when its launcher goes, however it goes (Linux; elsewhere a no-op)."""
+    try:
+        import ctypes
 
-
-def padded(prompts: list[list[int]], pad_id: int):
-    """Left-padded input ids and their attention mask."""
-    import torch
-
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-        mask[row, width - len(prompt):] = 1
-    return ids, mask
-
-
-def generate_batch(model, batch: dict, streamer=None):
-    """Generate one described batch (every rank the same call; rank 0 with the streamer)."""
-    import torch
-    from transformers import StoppingCriteria
-
-    ids, mask = padded(batch["prompts"], batch["pad"])
-    device = next(model.parameters()).device
-    width, limits = ids.shape[1], torch.tensor(batch["limits"])
-
-    class RowBudgets(StoppingCriteria):
-        """A row is done once it has its own number of new tokens (the batch stops when every row is)."""
-
-        def __call__(self, input_ids, scores, **kwargs):
-            return (input_ids.shape[1] - width >= limits).to(input_ids.device)
-
-    if batch["seed"] is not None:
-        torch.manual_seed(batch["seed"])
-    with torch.no_grad():
-        return model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=int(limits.max()),
-                              stopping_criteria=[RowBudgets()], pad_token_id=batch["pad"],
-                              eos_token_id=batch["eos"] or None, streamer=streamer, **batch["sampling"])
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the launcher was already gone before the line above
+        os._exit(1)
 
 
 def _broadcast(value):
@@ -77,79 +50,106 @@ def _broadcast(value):
     return holder[0]
 
 
+def context_length(config) -> int | None:
+    """The model's context (max_position_embeddings, on text_config where nested)."""
+    for cfg in (getattr(config, "text_config", None), config):
+        value = getattr(cfg, "max_position_embeddings", None) if cfg is not None else None
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def main(spec_path: Path) -> int:
     """Serve (or answer the one request of `generate`) on this rank until stopped."""
     import torch
 
     from codegen.models import load, load_policy
+    from codegen.serve.engine import Engine
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher stops the ranks
+    _die_with_parent()
     spec = json.loads(spec_path.read_text())
     rank = int(os.environ.get("RANK", "0"))
     dtype = getattr(torch, spec["dtype"])
     model = load(spec["model"], True, dtype)
     engine = load_policy(spec["model"], "codegen_serve_policy").init_inference(model, tp_size=spec["tp"], dtype=dtype)
     model = engine.module
-    frontend = batcher = None
+    model.eval()
+    steps = Engine(model)
+    serving = spec["mode"] == "serve"
+    scheduler = answer = None
     if rank == 0:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(spec["model"])
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None \
             else tokenizer.eos_token_id
-        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        batcher = Batcher(spec["max_batch"])
-        if spec["mode"] == "serve":
-            import threading
+        eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
+        max_model_len = spec.get("max_model_len") or context_length(model.config) or 2048
+        max_num_tokens = spec.get("max_num_tokens") or max(16384, max_model_len)
+        metrics = None
+        if serving:
+            from codegen.serve.metrics import Metrics
 
-            from codegen.serve.http import Frontend, make_server
+            metrics = Metrics(spec["name"])
+        scheduler = Scheduler(spec["max_batch"], max_num_tokens, eos_ids, spec.get("max_waiting", 256),
+                              metrics=metrics)
+        if serving:
+            from codegen.serve.http import Frontend, listen, start_server
 
-            frontend = Frontend(batcher, tokenizer, spec["name"])
-            server = make_server(spec["host"], spec["port"], frontend)
-            threading.Thread(target=server.serve_forever, name="codegen-http", daemon=True).start()
-            print(f"{READY}{json.dumps({'host': spec['host'], 'port': server.server_address[1]})}", flush=True)
+            sock = listen(spec["host"], spec["port"])
+            frontend = Frontend(scheduler, tokenizer, spec["name"], max_model_len, spec.get("api_key"),
+                                spec.get("request_timeout", 600.0), metrics)
+            start_server(sock, frontend, spec.get("limit_concurrency", 512))
+            where = {"host": spec["host"], "port": sock.getsockname()[1], "max_model_len": max_model_len,
+                     "max_num_tokens": max_num_tokens}
+            print(f"{READY}{json.dumps(where)}", flush=True)
         else:
             request = spec["request"]
-            job = Job(tokenizer(request["prompt"])["input_ids"], request["max_tokens"], Sampling(**request["sampling"]))
-            batcher.submit([job])
+            answer = {"tokens": [], "finish_reason": "length"}
+
+            def collect(kind, value):
+                if kind == TOKEN:
+                    answer["tokens"].append(value[0])
+                elif kind == DONE:
+                    answer["finish_reason"] = value
+                elif kind == ERROR:
+                    answer["error"] = value
+
+            ids = list(tokenizer(request["prompt"])["input_ids"])
+            if len(ids) + request["max_tokens"] > max_model_len:
+                raise BadInput(f"the prompt ({len(ids)} tokens) and --max-tokens {request['max_tokens']} exceed "
+                                 f"the model's context ({max_model_len} tokens)")
+            scheduler.submit([Seq(ids, request["max_tokens"], Sampling(**request["sampling"]), collect)])
+    started = time.perf_counter()
     while True:
-        batch = None
+        plan = None
         if rank == 0:
-            jobs = batcher.batch(IDLE_BEAT_S if spec["mode"] == "serve" else 0.0)
-            if jobs:
-                batch = describe(jobs, pad_id, eos_ids)
-            elif spec["mode"] != "serve":
-                batch = {"stop": True}
-        batch = _broadcast(batch)
-        if batch is None:
+            plan = scheduler.plan(IDLE_BEAT_S if serving else 0.0)
+            if plan is None and not serving:
+                plan = {"stop": True}
+        plan = _broadcast(plan)
+        if plan is None:
             continue
-        if batch.get("stop"):
+        if plan.get("stop"):
             break
-        streamer = BatchStreamer(jobs, set(eos_ids)) if rank == 0 else None
-        started = time.perf_counter()
         try:
-            generate_batch(model, batch, streamer)
-        except Exception as exc:  # noqa: BLE001 - one request's failure is its answer, the server goes on
-            if streamer is not None:
-                streamer.fail(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
-            if spec["mode"] != "serve":
+            logits = steps.step(plan)
+        except Exception as exc:  # noqa: BLE001 - the step's requests get the error, the server goes on
+            steps.reset()
+            if scheduler is not None:
+                text = str(exc).strip()
+                scheduler.fail_running(f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}")
+            if not serving:
                 raise
             continue
-        if rank == 0 and spec["mode"] != "serve":
-            _write_answer(spec, tokenizer, jobs[0], time.perf_counter() - started)
+        if scheduler is not None:
+            scheduler.sampled(logits)
+    if rank == 0 and not serving:
+        if "error" in answer:
+            raise RuntimeError(answer["error"])
+        answer.update(text=tokenizer.decode(answer["tokens"], skip_special_tokens=True),
+                      seconds=time.perf_counter() - started)
+        Path(spec["answer"]).write_text(json.dumps(answer))
     sys.stdout.flush()
     os._exit(0)
-
-
-def _write_answer(spec: dict, tokenizer, job: Job, seconds: float) -> None:
-    tokens, finish = [], "length"
-    while not job.sink.empty():
-        _, kind, value = job.sink.get()
-        if kind == "token":
-            tokens.append(value)
-        elif kind == "done":
-            finish = value
-    answer = {"text": tokenizer.decode(tokens, skip_special_tokens=True), "tokens": tokens, "finish_reason": finish,
-              "seconds": seconds}
-    Path(spec["answer"]).write_text(json.dumps(answer))

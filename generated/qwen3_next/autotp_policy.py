@@ -40,7 +40,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'qwen3_next', 'moe_classes': ['Qwen3NextSparseMoeBlock'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': ''}, 'shared': ['shared_expert'], 'routers': ['gate', 'shared_expert_gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn', 'linear_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'linear_num_key_heads', 'linear_num_value_heads', 'moe_intermediate_size', 'shared_expert_intermediate_size', 'intermediate_size'], 'linear_attention': {'attr': 'linear_attn', 'projections': [['in_proj_qkvz', []], ['in_proj_ba', []]], 'conv': 'conv1d', 'conv_segments': ['key_dim', 'key_dim', 'value_dim'], 'head_params': ['A_log', 'dt_bias'], 'output': 'out_proj', 'local_sizes': ['num_k_heads', 'num_v_heads', 'key_dim', 'value_dim', 'conv_dim']}}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_qwen3_next'
-RUNTIME_SHA256 = 'b79e9ec464996126916b732b82d002fa72eeef4ac50446b77af310c7f655e21e'
+RUNTIME_SHA256 = '3a0c32057f3c207779300e6fed5d6d5e7ae7d48534de8b551c01b6121f02a3cb'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -76,6 +76,9 @@ FUSED_GATE_UP_HALVES_COLS = "gate_up_halves_cols"
 #: gate_up [E, H, 2I] with gate/up interleaved along the last dim (gate = [..., ::2], up = [..., 1::2]),
 #: down [E, I, H]; optional biases gate_up_bias [E, 2I] and down_bias [E, H]
 FUSED_GATE_UP_INTERLEAVED_COLS = "gate_up_interleaved_cols"
+#: gate [E*I, H], up [E*I, H] and down [E*I, H] as three flat 2-D Parameters (expert e's rows e*I .. (e+1)*I; down is
+#: applied as `x @ down_e`), the expert width an attribute the forward views them by
+FUSED_FLAT_ROWS = "flat_rows"
 
 
 class PolicyError(RuntimeError):
@@ -545,8 +548,9 @@ def shard_mlp(mlp, where, names, column_class, row_class):
 
 def shard_experts(block, name, rank, world, layout, column_class, row_class):
     """Routed and shared experts of one MoE block end up sharded, none reducing on its own: else PolicyError."""
-    experts = getattr(block, layout["experts"], None)
-    where = f"{name}.{layout['experts']}"
+    # "": the MoE block holds the fused layout's modules itself (its Parameters are dotted paths from the block)
+    experts = getattr(block, layout["experts"], None) if layout["experts"] else block
+    where = f"{name}.{layout['experts']}" if layout["experts"] else name
     if isinstance(experts, torch.nn.ModuleList):
         for index, expert in enumerate(experts):
             if expert is not None:
@@ -559,8 +563,10 @@ def shard_experts(block, name, rank, world, layout, column_class, row_class):
         module = getattr(block, shared, None)
         if module is not None:
             shard_mlp(module, f"{name}.{shared}", layout["per_expert"], column_class, row_class)
+    # an MoE block that is a whole decoder layer: its attention and dense MLP reduce on their own, outside the sum
+    own = tuple(layout.get("block_reductions", ()))
     for sub, module in block.named_modules():
-        if isinstance(module, row_class) and not is_partial(module):
+        if isinstance(module, row_class) and not is_partial(module) and sub.split(".", 1)[0] not in own:
             raise PolicyError(f"{name}.{sub} still reduces on its own inside the MoE block, which the family "
                               "layout does not name: the one reduction would add it again")
 
@@ -598,12 +604,19 @@ def _fused_params(experts, where, names):
         if not attr:
             found[role] = None
             continue
-        param = getattr(experts, attr, None)
+        param = _attribute(experts, attr)
         if not isinstance(param, torch.nn.Parameter) or param.dim() != dims:
             raise PolicyError(f"{where} has no {dims}-D Parameter {attr!r} to shard: "
                               "its experts are not the fused layout the family table names")
         found[role] = param
     return found
+
+
+def _attribute(module, path):
+    """`module.<path>` for a dotted path (a Parameter of a submodule: `input_linear.weight`), or None."""
+    for part in path.split("."):
+        module = getattr(module, part, None)
+    return module
 
 
 def keep_down_bias_once(down_bias, rank):
@@ -668,9 +681,36 @@ def shard_gate_up_halves_cols(experts, where, rank, world, names):
     return shard
 
 
+@torch.no_grad()
+def shard_flat_rows(experts, where, rank, world, names):
+    """gate, up and down as flat 2-D [E*I, H] Parameters (expert e's rows e*I .. (e+1)*I; the forward views them as
+    [E, I, H] by the size attribute and applies down as `x @ down_e`): each rank keeps rows [lo, hi) of every expert
+    in all three, [E*I/world, H]. The intermediate units are elementwise (act(gate) * up), so the split is exact and
+    each rank's down product is its partial sum of the expert's output."""
+    params = {}
+    for role in ("gate_up", "up", "down"):
+        param = _attribute(experts, names.get(role, ""))
+        if not isinstance(param, torch.nn.Parameter) or param.dim() != 2:
+            raise PolicyError(f"{where} has no 2-D Parameter {names.get(role, '')!r} to shard: "
+                              "its experts are not the fused layout the family table names")
+        params[role] = param
+    owner_path, _, size_attr = names["size_attr"].rpartition(".")
+    inter = getattr(_attribute(experts, owner_path) if owner_path else experts, size_attr, None)
+    shapes = {tuple(p.shape) for p in params.values()}
+    if not isinstance(inter, int) or inter % world or len(shapes) != 1 or next(iter(shapes))[0] % inter:
+        raise PolicyError(f"{where} has flat experts {sorted(shapes)} of width {inter!r}: cannot split them over "
+                          f"{world} ranks")
+    shard = inter // world
+    lo, hi = rank * shard, (rank + 1) * shard
+    for param in params.values():
+        rows, hidden = param.shape
+        param.data = param.data.view(rows // inter, inter, hidden)[:, lo:hi].reshape(-1, hidden).contiguous()
+    return shard
+
+
 #: fused expert layouts (codegen.families FusedExperts.kind) and the function that shards each
 FUSED_SHARDERS = {FUSED_GATE_UP_ROWS: shard_gate_up_rows, FUSED_GATE_UP_HALVES_COLS: shard_gate_up_halves_cols,
-                  FUSED_GATE_UP_INTERLEAVED_COLS: shard_gate_up_interleaved_cols}
+                  FUSED_GATE_UP_INTERLEAVED_COLS: shard_gate_up_interleaved_cols, FUSED_FLAT_ROWS: shard_flat_rows}
 
 
 def shard_fused_experts(experts, where, rank, world, fused):
@@ -681,8 +721,10 @@ def shard_fused_experts(experts, where, rank, world, fused):
     if sharder is None:
         raise PolicyError(f"{where}: unknown fused expert layout {fused['kind']!r}: re-run patch")
     shard = sharder(experts, where, rank, world, fused)
-    if hasattr(experts, fused["size_attr"]):
-        setattr(experts, fused["size_attr"], shard)
+    owner_path, _, size_attr = fused["size_attr"].rpartition(".")
+    owner = _attribute(experts, owner_path) if owner_path else experts
+    if size_attr and hasattr(owner, size_attr):
+        setattr(owner, size_attr, shard)
     setattr(experts, SHARDED_FLAG, True)
 
 
@@ -701,8 +743,13 @@ def row_layer_policy(model, blocks, layout, auto_tp):
     """
     if auto_tp is None:
         return None
-    alone = {layer_class: set(gems) for layer_class, gems in auto_tp.tp_parser(model)}
+    try:
+        alone = {layer_class: set(gems) for layer_class, gems in auto_tp.tp_parser(model)}
+    except AssertionError:  # a class's first layer has no linear in sight (its mixer kept whole): parse the rest
+        alone = {}
     parsed = _parse_every_layer_kind(model, auto_tp, alone)
+    if not parsed:  # no layer has a linear in sight (its mixer kept whole, its experts fused): nothing is a row layer
+        return {type(layer): () for layer in auto_tp.get_module_list(model)}
     experts = [block._modules.get(layout["experts"]) for _, block in blocks]
     indices = {key for e in experts if isinstance(e, torch.nn.ModuleList) for key in e._modules}
     down = layout["per_expert"]["down"]
@@ -710,9 +757,26 @@ def row_layer_policy(model, blocks, layout, auto_tp):
     fixed = {}
     for layer_class, gems in parsed.items():
         fixed[layer_class] = ({g for g in gems if g.split(".", 1)[0] not in indices} | wanted) if indices else gems
+    for layer_class, gems in _dense_down_layers(model, layout).items():  # names DeepSpeed's parser misses
+        if layer_class in fixed:
+            fixed[layer_class] = set(fixed[layer_class]) | gems
     if fixed == alone:
         return None
     return {layer_class: tuple(sorted(gems)) for layer_class, gems in fixed.items()}
+
+
+def _dense_down_layers(model, layout):
+    """Layer class -> `<attr>.<down>` of the dense MLPs (not MoE blocks) its layers hold under the table's MoE block
+    attributes: their down projection is a row layer, whatever DeepSpeed's names say (`w2` outside Mixtral)."""
+    down, classes, found = layout["per_expert"]["down"], set(layout.get("moe_classes", ())), {}
+    for layers in [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]:
+        for layer in layers:
+            for attr in layout.get("moe_block_attrs", ()):
+                mlp = layer._modules.get(attr)
+                if mlp is not None and type(mlp).__name__ not in classes and isinstance(
+                        mlp._modules.get(down), torch.nn.Linear):
+                    found.setdefault(type(layer), set()).add(f"{attr}.{down}")
+    return found
 
 
 def _parse_every_layer_kind(model, auto_tp, alone):
@@ -761,11 +825,21 @@ def head_param_owners(model, layout):
     count (the Parameter's first dim) and the full output rows of the owner's nn.Linear children.
     """
     wanted = set(layout.get("attention_head_params", ()))
+    # `child.param`: held by a child of the attention module (Mistral Large 4's per-head softmax scaling), looked up
+    # from the attention modules only (an indexer, kept whole, may hold a child of the same name)
+    nested = {w for w in wanted if "." in w}
+    attention = set(layout.get("attention_attrs", ()))
     owners = []
     if not wanted:
         return owners
     for name, module in model.named_modules():
         params = {attr: p for attr, p in module._parameters.items() if attr in wanted and p is not None}
+        if nested and name.rsplit(".", 1)[-1] in attention:
+            for path in sorted(nested):
+                child, _, attr = path.partition(".")
+                param = getattr(module._modules.get(child), "_parameters", {}).get(attr)
+                if param is not None:
+                    params[path] = param
         if not params:
             continue
         heads = {p.shape[0] if p.dim() else 0 for p in params.values()}
@@ -950,11 +1024,14 @@ def head_linear_owners(model, layout):
     """
     wanted = tuple(layout.get("attention_head_linears", ()))
     attention = set(layout.get("attention_attrs", ()))
+    whole = set(layout.get("whole_modules", ()))
     owners = []
     if not wanted:
         return owners
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] not in attention:  # an MLP's gate_proj is not a per-head gate
+            continue
+        if type(module).__name__ in whole:  # a mixer kept whole keeps its gates whole too
             continue
         found = [attr for attr in wanted if isinstance(module._modules.get(attr), torch.nn.Linear)]
         if found:
@@ -990,8 +1067,8 @@ def slice_head_linears(owners, dist, group, rank, world, column_class):
 
 
 def detach_replicated(model, blocks, layout):
-    """Take routers, replicated attention modules and a wrapper's vision tower and projector out of the model,
-    so DeepSpeed cannot shard or wrap them.
+    """Take routers, replicated attention modules, the modules kept whole by class (a token mixer whose head split
+    is not exact) and a wrapper's vision tower and projector out of the model, so DeepSpeed cannot shard or wrap them.
 
     DeepSpeed's AutoTP keeps a few names whole by its own rules and wraps any `nn.Linear` (subclasses too);
     a module that is not in the tree while it shards is left alone whatever its name or type.
@@ -1004,8 +1081,10 @@ def detach_replicated(model, blocks, layout):
                 raise PolicyError(f"{name} has no router {attr!r} (named by the family table): re-run patch")
             kept.append(detach_child(block, attr, f"{name}.{attr}"))
     wanted = set(layout["attention_replicated"]) | set(layout.get("replicated", ()))
+    whole = set(layout.get("whole_modules", ()))
     for name, parent in list(model.named_modules()):
-        for attr in [a for a, child in parent._modules.items() if a in wanted and child is not None]:
+        for attr in [a for a, child in parent._modules.items()
+                     if child is not None and (a in wanted or type(child).__name__ in whole)]:
             kept.append(detach_child(parent, attr, f"{name}.{attr}" if name else attr))
     return kept
 
@@ -1537,7 +1616,8 @@ class global_sizes_readable:
 def moe_blocks(model, layout):
     """(qualified name, module) of every MoE block of the layout's classes."""
     classes = set(layout["moe_classes"])
-    return [(n, m) for n, m in model.named_modules() if type(m).__name__ in classes and hasattr(m, layout["experts"])]
+    return [(n, m) for n, m in model.named_modules()
+            if type(m).__name__ in classes and (not layout["experts"] or hasattr(m, layout["experts"]))]
 
 
 def probe_deepspeed(deepspeed, shm_in_use=False):

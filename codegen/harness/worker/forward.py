@@ -16,8 +16,9 @@ import time
 import torch
 
 from codegen.harness.worker.counting import ALL_REDUCE_OPS, CollectiveCounter, per_block_counts, tally
-from codegen.harness.worker.model_figures import (cache_of, decoder_layers, gate_types, gates_intact, layer_attention,
-                                                  layer_mlp, moe_blocks, param_bytes, sharding_figures)
+from codegen.harness.worker.model_figures import (attention_reductions, cache_of, decoder_layers, gate_types,
+                                                  gates_intact, layer_attention, layer_mlp, moe_blocks, param_bytes,
+                                                  sharding_figures)
 from codegen.harness.worker.reference import Reference, greedy
 from codegen.harness.worker.run import Run, dry_run, guarded
 from codegen.policy.runtime.base import REDUCE_HELPER, REDUCER_ATTR
@@ -55,12 +56,25 @@ def measure(phase: str, model, run: Run, opts: dict, ids, ref: Reference) -> dic
     for key, modules in groups.items():
         counts[key], handles = per_block_counts(modules, counter)
         hooks += handles
+    # an MoE block that is a whole decoder layer (the table's `block_reductions`: Gemma 4) holds an attention and a
+    # dense MLP block, counted as such: its MoE figures are what runs in it outside them
+    nested = {id(b): [(key, j) for key in ("attention", "dense_mlp") for j, inner in enumerate(groups[key])
+                      if inner is not None and any(inner is sub for sub in b.modules())] for b in blocks}
     moe_entries: list[str] = []
     for block in blocks:
-        mark = {}
-        hooks.append(block.register_forward_pre_hook(lambda _m, _a, mark=mark: mark.update(n=len(counter.log))))
+        mark, skip = {}, []
+        for key, j in nested[id(block)]:
+            span = {}
+            inner = groups[key][j]
+            hooks.append(inner.register_forward_pre_hook(lambda _m, _a, span=span: span.update(n=len(counter.log))))
+            hooks.append(inner.register_forward_hook(
+                lambda _m, _a, _o, span=span, skip=skip: skip.append(range(span["n"], len(counter.log)))))
+        hooks.append(block.register_forward_pre_hook(
+            # a pre-hook's non-None return replaces the block's arguments: return None
+            lambda _m, _a, mark=mark, skip=skip: mark.update(n=len(counter.log)) or skip.clear()))
         hooks.append(block.register_forward_hook(
-            lambda _m, _a, _o, mark=mark: moe_entries.extend(counter.log[mark["n"]:])))
+            lambda _m, _a, _o, mark=mark, skip=skip: moe_entries.extend(
+                e for i, e in enumerate(counter.log[mark["n"]:], mark["n"]) if not any(i in r for r in skip))))
     result: dict = {"mode": phase, "rank": dist.get_rank(), "world_size": dist.get_world_size(), "tp_group_size": run.tp}
     with torch.no_grad():
         for _ in range(opts["warmup"]):
@@ -73,6 +87,7 @@ def measure(phase: str, model, run: Run, opts: dict, ids, ref: Reference) -> dic
         result["moe_allreduce_entries"] = tally([e for e in moe_entries if e in ALL_REDUCE_OPS])
         per_forward = counter.calls
         counts = {key: list(values) for key, values in counts.items()}
+        counts["moe"] = [c - sum(counts[key][j] for key, j in nested[id(b)]) for b, c in zip(blocks, counts["moe"])]
         prefill_s = []
         for _ in range(opts["repeats"]):
             dist.barrier()
@@ -86,6 +101,8 @@ def measure(phase: str, model, run: Run, opts: dict, ids, ref: Reference) -> dic
     result.update({
         "num_layers": len(layers),
         "attention_blocks": len(groups["attention"]),
+        # what each needs: 1, or 0 for a mixer kept whole on every rank (`Family.whole_modules`)
+        "attention_block_reductions": [attention_reductions(a) for a in groups["attention"]],
         "moe_blocks": len(blocks),
         "dense_mlp_blocks": len(groups["dense_mlp"]),
         "lm_head_type": type(lm_head).__name__ if lm_head is not None else None,

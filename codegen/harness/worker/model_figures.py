@@ -24,6 +24,8 @@ MLP_ATTRS = tuple(dict.fromkeys(a for family in FAMILIES.values() for a in famil
 ATTENTION_ATTRS = tuple(dict.fromkeys(a for family in FAMILIES.values() for a in family.attention_attrs))
 #: attributes of a multimodal wrapper's vision tower and projector, every family (their layers are not the decoder's)
 WRAPPER_PARTS = frozenset(a for family in FAMILIES.values() if family.wrapper for a in family.wrapper.replicated)
+#: classes of the token mixers families keep whole on every rank (`Family.whole_modules`): they add no reduction
+WHOLE_CLASSES = frozenset(c for family in FAMILIES.values() for c in family.whole_modules)
 
 
 def moe_blocks(model) -> list:
@@ -72,6 +74,12 @@ def layer_mlp(layer):
         if isinstance(block, torch.nn.Module):
             return block
     return None
+
+
+def attention_reductions(block) -> int:
+    """The all-reduces an attention block of the decoder needs: none when it is kept whole on every rank."""
+    # the block itself, or the module holding it (DBRX's norm_attn_norm: two norms around the attention)
+    return 0 if any(type(m).__name__ in WHOLE_CLASSES for m in block.modules()) else 1
 
 
 def layer_attention(layer):

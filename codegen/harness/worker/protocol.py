@@ -5,8 +5,6 @@ Standard library only: the launcher (which never imports torch) reads it too.
 
 from __future__ import annotations
 
-#: the hidden `python -m codegen` subcommand every rank of a launch runs
-WORKER = "_worker"
 #: the phases of a job, in the order a job lists them (codegen.harness.worker.main)
 PHASES = ("no-policy", "codegen", "stock", "ab")
 #: rank 0 prints `<PROGRESS><message>` lines; the launcher passes them on while the ranks run

@@ -21,11 +21,21 @@ def head_param_owners(model, layout):
     count (the Parameter's first dim) and the full output rows of the owner's nn.Linear children.
     """
     wanted = set(layout.get("attention_head_params", ()))
+    # `child.param`: held by a child of the attention module (Mistral Large 4's per-head softmax scaling), looked up
+    # from the attention modules only (an indexer, kept whole, may hold a child of the same name)
+    nested = {w for w in wanted if "." in w}
+    attention = set(layout.get("attention_attrs", ()))
     owners = []
     if not wanted:
         return owners
     for name, module in model.named_modules():
         params = {attr: p for attr, p in module._parameters.items() if attr in wanted and p is not None}
+        if nested and name.rsplit(".", 1)[-1] in attention:
+            for path in sorted(nested):
+                child, _, attr = path.partition(".")
+                param = getattr(module._modules.get(child), "_parameters", {}).get(attr)
+                if param is not None:
+                    params[path] = param
         if not params:
             continue
         heads = {p.shape[0] if p.dim() else 0 for p in params.values()}
@@ -210,11 +220,14 @@ def head_linear_owners(model, layout):
     """
     wanted = tuple(layout.get("attention_head_linears", ()))
     attention = set(layout.get("attention_attrs", ()))
+    whole = set(layout.get("whole_modules", ()))
     owners = []
     if not wanted:
         return owners
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] not in attention:  # an MLP's gate_proj is not a per-head gate
+            continue
+        if type(module).__name__ in whole:  # a mixer kept whole keeps its gates whole too
             continue
         found = [attr for attr in wanted if isinstance(module._modules.get(attr), torch.nn.Linear)]
         if found:
@@ -250,8 +263,8 @@ def slice_head_linears(owners, dist, group, rank, world, column_class):
 
 
 def detach_replicated(model, blocks, layout):
-    """Take routers, replicated attention modules and a wrapper's vision tower and projector out of the model,
-    so DeepSpeed cannot shard or wrap them.
+    """Take routers, replicated attention modules, the modules kept whole by class (a token mixer whose head split
+    is not exact) and a wrapper's vision tower and projector out of the model, so DeepSpeed cannot shard or wrap them.
 
     DeepSpeed's AutoTP keeps a few names whole by its own rules and wraps any `nn.Linear` (subclasses too);
     a module that is not in the tree while it shards is left alone whatever its name or type.
@@ -264,8 +277,10 @@ def detach_replicated(model, blocks, layout):
                 raise PolicyError(f"{name} has no router {attr!r} (named by the family table): re-run patch")
             kept.append(detach_child(block, attr, f"{name}.{attr}"))
     wanted = set(layout["attention_replicated"]) | set(layout.get("replicated", ()))
+    whole = set(layout.get("whole_modules", ()))
     for name, parent in list(model.named_modules()):
-        for attr in [a for a, child in parent._modules.items() if a in wanted and child is not None]:
+        for attr in [a for a, child in parent._modules.items()
+                     if child is not None and (a in wanted or type(child).__name__ in whole)]:
             kept.append(detach_child(parent, attr, f"{name}.{attr}" if name else attr))
     return kept
 

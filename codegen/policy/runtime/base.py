@@ -30,6 +30,9 @@ FUSED_GATE_UP_HALVES_COLS = "gate_up_halves_cols"
 #: gate_up [E, H, 2I] with gate/up interleaved along the last dim (gate = [..., ::2], up = [..., 1::2]),
 #: down [E, I, H]; optional biases gate_up_bias [E, 2I] and down_bias [E, H]
 FUSED_GATE_UP_INTERLEAVED_COLS = "gate_up_interleaved_cols"
+#: gate [E*I, H], up [E*I, H] and down [E*I, H] as three flat 2-D Parameters (expert e's rows e*I .. (e+1)*I; down is
+#: applied as `x @ down_e`), the expert width an attribute the forward views them by
+FUSED_FLAT_ROWS = "flat_rows"
 
 
 class PolicyError(RuntimeError):

@@ -253,7 +253,8 @@ class global_sizes_readable:
 def moe_blocks(model, layout):
     """(qualified name, module) of every MoE block of the layout's classes."""
     classes = set(layout["moe_classes"])
-    return [(n, m) for n, m in model.named_modules() if type(m).__name__ in classes and hasattr(m, layout["experts"])]
+    return [(n, m) for n, m in model.named_modules()
+            if type(m).__name__ in classes and (not layout["experts"] or hasattr(m, layout["experts"]))]
 
 
 def probe_deepspeed(deepspeed, shm_in_use=False):

@@ -8,7 +8,7 @@ Parameters stay the same registered objects and the full tensors are freed.
 
 import torch
 
-from codegen.policy.runtime.base import (FUSED_GATE_UP_HALVES_COLS, FUSED_GATE_UP_INTERLEAVED_COLS,
+from codegen.policy.runtime.base import (FUSED_FLAT_ROWS, FUSED_GATE_UP_HALVES_COLS, FUSED_GATE_UP_INTERLEAVED_COLS,
                                          FUSED_GATE_UP_ROWS, SHARDED_FLAG, SUPPORTED_DEEPSPEED, PolicyError)
 
 #: attributes of DeepSpeed's row-parallel layer that the partial-sum subclass reads
@@ -65,8 +65,9 @@ def shard_mlp(mlp, where, names, column_class, row_class):
 
 def shard_experts(block, name, rank, world, layout, column_class, row_class):
     """Routed and shared experts of one MoE block end up sharded, none reducing on its own: else PolicyError."""
-    experts = getattr(block, layout["experts"], None)
-    where = f"{name}.{layout['experts']}"
+    # "": the MoE block holds the fused layout's modules itself (its Parameters are dotted paths from the block)
+    experts = getattr(block, layout["experts"], None) if layout["experts"] else block
+    where = f"{name}.{layout['experts']}" if layout["experts"] else name
     if isinstance(experts, torch.nn.ModuleList):
         for index, expert in enumerate(experts):
             if expert is not None:
@@ -79,8 +80,10 @@ def shard_experts(block, name, rank, world, layout, column_class, row_class):
         module = getattr(block, shared, None)
         if module is not None:
             shard_mlp(module, f"{name}.{shared}", layout["per_expert"], column_class, row_class)
+    # an MoE block that is a whole decoder layer: its attention and dense MLP reduce on their own, outside the sum
+    own = tuple(layout.get("block_reductions", ()))
     for sub, module in block.named_modules():
-        if isinstance(module, row_class) and not is_partial(module):
+        if isinstance(module, row_class) and not is_partial(module) and sub.split(".", 1)[0] not in own:
             raise PolicyError(f"{name}.{sub} still reduces on its own inside the MoE block, which the family "
                               "layout does not name: the one reduction would add it again")
 
@@ -118,12 +121,19 @@ def _fused_params(experts, where, names):
         if not attr:
             found[role] = None
             continue
-        param = getattr(experts, attr, None)
+        param = _attribute(experts, attr)
         if not isinstance(param, torch.nn.Parameter) or param.dim() != dims:
             raise PolicyError(f"{where} has no {dims}-D Parameter {attr!r} to shard: "
                               "its experts are not the fused layout the family table names")
         found[role] = param
     return found
+
+
+def _attribute(module, path):
+    """`module.<path>` for a dotted path (a Parameter of a submodule: `input_linear.weight`), or None."""
+    for part in path.split("."):
+        module = getattr(module, part, None)
+    return module
 
 
 def keep_down_bias_once(down_bias, rank):
@@ -188,9 +198,36 @@ def shard_gate_up_halves_cols(experts, where, rank, world, names):
     return shard
 
 
+@torch.no_grad()
+def shard_flat_rows(experts, where, rank, world, names):
+    """gate, up and down as flat 2-D [E*I, H] Parameters (expert e's rows e*I .. (e+1)*I; the forward views them as
+    [E, I, H] by the size attribute and applies down as `x @ down_e`): each rank keeps rows [lo, hi) of every expert
+    in all three, [E*I/world, H]. The intermediate units are elementwise (act(gate) * up), so the split is exact and
+    each rank's down product is its partial sum of the expert's output."""
+    params = {}
+    for role in ("gate_up", "up", "down"):
+        param = _attribute(experts, names.get(role, ""))
+        if not isinstance(param, torch.nn.Parameter) or param.dim() != 2:
+            raise PolicyError(f"{where} has no 2-D Parameter {names.get(role, '')!r} to shard: "
+                              "its experts are not the fused layout the family table names")
+        params[role] = param
+    owner_path, _, size_attr = names["size_attr"].rpartition(".")
+    inter = getattr(_attribute(experts, owner_path) if owner_path else experts, size_attr, None)
+    shapes = {tuple(p.shape) for p in params.values()}
+    if not isinstance(inter, int) or inter % world or len(shapes) != 1 or next(iter(shapes))[0] % inter:
+        raise PolicyError(f"{where} has flat experts {sorted(shapes)} of width {inter!r}: cannot split them over "
+                          f"{world} ranks")
+    shard = inter // world
+    lo, hi = rank * shard, (rank + 1) * shard
+    for param in params.values():
+        rows, hidden = param.shape
+        param.data = param.data.view(rows // inter, inter, hidden)[:, lo:hi].reshape(-1, hidden).contiguous()
+    return shard
+
+
 #: fused expert layouts (codegen.families FusedExperts.kind) and the function that shards each
 FUSED_SHARDERS = {FUSED_GATE_UP_ROWS: shard_gate_up_rows, FUSED_GATE_UP_HALVES_COLS: shard_gate_up_halves_cols,
-                  FUSED_GATE_UP_INTERLEAVED_COLS: shard_gate_up_interleaved_cols}
+                  FUSED_GATE_UP_INTERLEAVED_COLS: shard_gate_up_interleaved_cols, FUSED_FLAT_ROWS: shard_flat_rows}
 
 
 def shard_fused_experts(experts, where, rank, world, fused):
@@ -201,8 +238,10 @@ def shard_fused_experts(experts, where, rank, world, fused):
     if sharder is None:
         raise PolicyError(f"{where}: unknown fused expert layout {fused['kind']!r}: re-run patch")
     shard = sharder(experts, where, rank, world, fused)
-    if hasattr(experts, fused["size_attr"]):
-        setattr(experts, fused["size_attr"], shard)
+    owner_path, _, size_attr = fused["size_attr"].rpartition(".")
+    owner = _attribute(experts, owner_path) if owner_path else experts
+    if size_attr and hasattr(owner, size_attr):
+        setattr(owner, size_attr, shard)
     setattr(experts, SHARDED_FLAG, True)
 
 
@@ -221,8 +260,13 @@ def row_layer_policy(model, blocks, layout, auto_tp):
     """
     if auto_tp is None:
         return None
-    alone = {layer_class: set(gems) for layer_class, gems in auto_tp.tp_parser(model)}
+    try:
+        alone = {layer_class: set(gems) for layer_class, gems in auto_tp.tp_parser(model)}
+    except AssertionError:  # a class's first layer has no linear in sight (its mixer kept whole): parse the rest
+        alone = {}
     parsed = _parse_every_layer_kind(model, auto_tp, alone)
+    if not parsed:  # no layer has a linear in sight (its mixer kept whole, its experts fused): nothing is a row layer
+        return {type(layer): () for layer in auto_tp.get_module_list(model)}
     experts = [block._modules.get(layout["experts"]) for _, block in blocks]
     indices = {key for e in experts if isinstance(e, torch.nn.ModuleList) for key in e._modules}
     down = layout["per_expert"]["down"]
@@ -230,9 +274,26 @@ def row_layer_policy(model, blocks, layout, auto_tp):
     fixed = {}
     for layer_class, gems in parsed.items():
         fixed[layer_class] = ({g for g in gems if g.split(".", 1)[0] not in indices} | wanted) if indices else gems
+    for layer_class, gems in _dense_down_layers(model, layout).items():  # names DeepSpeed's parser misses
+        if layer_class in fixed:
+            fixed[layer_class] = set(fixed[layer_class]) | gems
     if fixed == alone:
         return None
     return {layer_class: tuple(sorted(gems)) for layer_class, gems in fixed.items()}
+
+
+def _dense_down_layers(model, layout):
+    """Layer class -> `<attr>.<down>` of the dense MLPs (not MoE blocks) its layers hold under the table's MoE block
+    attributes: their down projection is a row layer, whatever DeepSpeed's names say (`w2` outside Mixtral)."""
+    down, classes, found = layout["per_expert"]["down"], set(layout.get("moe_classes", ())), {}
+    for layers in [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]:
+        for layer in layers:
+            for attr in layout.get("moe_block_attrs", ()):
+                mlp = layer._modules.get(attr)
+                if mlp is not None and type(mlp).__name__ not in classes and isinstance(
+                        mlp._modules.get(down), torch.nn.Linear):
+                    found.setdefault(type(layer), set()).add(f"{attr}.{down}")
+    return found
 
 
 def _parse_every_layer_kind(model, auto_tp, alone):

@@ -1,8 +1,9 @@
 """`python -m codegen shm [--clean]`: DeepSpeed's CPU all-reduce buffers that earlier runs left in /dev/shm.
 
 DeepSpeed's shared-memory all-reduce creates one ~66 MiB buffer per rank and never unlinks it; /dev/shm is
-RAM. The generated policy removes its own rank's buffer on exit and SIGTERM (codegen.policy.runtime.shm), but a
-killed run (SIGKILL, OOM) or a run without the policy leaves them behind. This lists them, one line each
+RAM. The generated policy unlinks its own rank's buffer name as soon as every rank has mapped it
+(codegen.policy.runtime.shm), so a run under the policy leaves nothing, SIGKILL included; a run without the policy
+(stock AutoTP, an older patched dir) or one killed before that point leaves them behind. This lists them, one line each
 with size and age, and a total; `--clean` removes those no live process maps (every readable
 /proc/<pid>/maps is checked; the total line says how many processes' maps could not be read), keeping any
 buffer younger than GRACE_S, which a run may still be setting up. Unlinking never disturbs a process that

@@ -1,0 +1,94 @@
+"""The family table reads as data: rows state what differs from the defaults, the rest is derived, the test and
+bench data sit beside the rows by model type, and the table imports nothing of codegen but the policy runtime's names.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import MISSING, fields
+from pathlib import Path
+
+import pytest
+
+from codegen.families import ANCHOR_ROUTED_FINAL, ANCHOR_SHARED_SUM, COMMON_SIZES, EXAMPLES, FAMILIES, \
+    HEADS_AND_WIDTHS, STOCK_AUTOTP, UNSUPPORTED, UNSUPPORTED_STOCK, Family, Wrapper
+
+pytestmark = pytest.mark.unit  # in-process, no subprocess, no ranks: the fast tier
+
+PACKAGE = Path(__file__).resolve().parent.parent / "codegen" / "families"
+
+
+def test_the_table_imports_only_itself_and_the_policy_runtime_names():
+    """Downward only: the table names the fused layouts the policy runtime shards (codegen.policy.runtime.base)."""
+    for path in sorted(PACKAGE.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("codegen"):
+                assert node.module.startswith("codegen.families.") or node.module == "codegen.policy.runtime.base", \
+                    f"{path.name} imports {node.module}"
+            elif isinstance(node, ast.Import):
+                assert not any(a.name.startswith("codegen") for a in node.names), path.name
+
+
+def test_every_family_has_its_examples_and_stock_figures_beside_the_table():
+    """The support table renders the stock figures and the codegen figures on the tiny example of every family."""
+    assert list(EXAMPLES) == list(FAMILIES) == list(STOCK_AUTOTP)
+    assert all(e.tiny for e in EXAMPLES.values())
+
+
+def test_what_stock_autotp_does_is_recorded_only_for_the_types_patch_refuses():
+    """A type that becomes a row takes its stock figure into STOCK_AUTOTP (its measured StockAutoTP) instead."""
+    assert set(UNSUPPORTED_STOCK) <= set(UNSUPPORTED), sorted(set(UNSUPPORTED_STOCK) - set(UNSUPPORTED))
+
+
+def test_a_plain_row_is_a_handful_of_names_and_the_rest_is_derived():
+    row = Family(model_type="new_moe", config_class="NewMoeConfig", moe_classes=("NewMoeSparseMoeBlock",),
+                 num_experts_keys=("num_experts",), more_positive_ints=("head_dim",))
+    assert row.builtin_module == "transformers.models.new_moe.modeling_new_moe"
+    assert row.auto_classes == {"AutoModelForCausalLM": "NewMoeForCausalLM", "AutoModel": "NewMoeModel"}
+    assert list(row.auto_classes) == ["AutoModelForCausalLM", "AutoModel"]  # the first is what examples load with
+    assert row.anchor == ANCHOR_ROUTED_FINAL and row.routers == ("gate",) and row.experts_attr == "experts"
+    assert row.positive_int_keys == (*COMMON_SIZES, "num_experts", "head_dim")
+    assert row.tp_divisible_keys == HEADS_AND_WIDTHS
+    shared = Family(model_type="new_moe", config_class="NewMoeConfig", moe_classes=("NewMoeSparseMoeBlock",),
+                    num_experts_keys=("n_routed_experts",), top_k_keys=("moe_k",), shared_experts=("shared_experts",),
+                    wrapper=Wrapper(replicated=("visual",)))
+    assert shared.anchor == ANCHOR_SHARED_SUM
+    assert shared.positive_int_keys == (*COMMON_SIZES, "n_routed_experts", "moe_k")
+    assert shared.auto_classes == {"AutoModelForImageTextToText": "NewMoeForConditionalGeneration",
+                                   "AutoModel": "NewMoeModel"}
+    # what a row gives is kept
+    given = Family(model_type="new_moe", builtin_module="x.y", config_class="NewMoeConfig", moe_classes=("B",),
+                   num_experts_keys=("e",), positive_int_keys=("e",), auto_classes={"AutoModel": "M"})
+    assert (given.builtin_module, given.positive_int_keys, given.auto_classes) == ("x.y", ("e",), {"AutoModel": "M"})
+
+
+def test_no_row_spells_a_default():
+    """A row names only what differs (a literal equal to the field's default is noise a reader must check)."""
+    defaults = {f.name: f.default for f in fields(Family) if f.default is not MISSING}
+    spelled = []
+    for node in ast.walk(ast.parse((PACKAGE / "table.py").read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Family":
+            for kw in node.keywords:
+                if kw.arg in defaults:
+                    try:
+                        value = ast.literal_eval(kw.value)
+                    except ValueError:
+                        continue
+                    if value == defaults[kw.arg]:
+                        spelled.append(f"line {kw.lineno}: {kw.arg}={value!r}")
+    assert not spelled, spelled
+
+
+def test_the_families_this_environment_covers_are_those_its_transformers_ships():
+    """tests/conftest.py's FAMILIES are the table's families whose first release (and their text decoder's) is at
+    most the installed transformers: the rest are covered in the environments that have them."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    from codegen.harness.examples import installed_families
+
+    installed = Version(version("transformers"))
+    shipped = [name for name, row in FAMILIES.items()
+               if all(Version(f.first_release) <= installed for f in (row, row.text_family))]
+    assert list(installed_families()) == shipped
