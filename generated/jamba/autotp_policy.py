@@ -37,7 +37,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'jamba', 'moe_classes': ['JambaSparseMoeBlock'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': ''}, 'shared': [], 'routers': ['router'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn', 'mamba'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['feed_forward'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'intermediate_size'], 'linear_attention': None, 'whole_modules': ['JambaMambaMixer']}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_jamba'
-RUNTIME_SHA256 = '3a0c32057f3c207779300e6fed5d6d5e7ae7d48534de8b551c01b6121f02a3cb'
+RUNTIME_SHA256 = '7c93e43fa9bb136afadf2a5d8dc52698740588763e888a64cdaf987e7b2d9291'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -211,8 +211,10 @@ mpi4py); neither launcher sets OMP_NUM_THREADS, so every rank runs as many threa
 cores; and every environment with the same Python builds DeepSpeed's CPU op into the same
 ~/.cache/torch_extensions/<py>_cpu, rebuilding it (half a minute or more) whenever environments alternate.
 Each helper here changes only what is unset, returns what it did as a one-line note, and never raises.
+And a process group this policy started is also ended by it, at exit (`destroy_group_at_exit`).
 """
 
+import atexit
 import hashlib
 import os
 import socket
@@ -230,6 +232,20 @@ def extensions_dir(env=None, prefix=None):
     base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     tag = hashlib.sha256(prefix.encode()).hexdigest()[:10]
     return os.path.join(base, "torch_extensions", f"codegen-{os.path.basename(prefix.rstrip('/'))}-{tag}")
+
+
+def destroy_group_at_exit(dist):
+    """End the process group this policy started while the interpreter is still whole, at exit.
+
+    Left to interpreter finalization, gloo's worker threads can outlive it and abort the rank with SIGABRT
+    ("terminate called without an active exception", pytorch/pytorch#190489) after the script's work is done,
+    so the launcher reports a failed job. A program that destroyed the group itself makes this a no-op.
+    """
+    def destroy():
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    atexit.register(destroy)
 
 
 def _free_port():
@@ -1417,6 +1433,7 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
         if problem:
             raise PolicyError(problem)
         deepspeed.init_distributed()
+        destroy_group_at_exit(dist)
     coalesce = bool(getattr(model.config, knob, False))
     blocks = moe_blocks(model, layout)
     if coalesce and not blocks:

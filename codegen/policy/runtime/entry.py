@@ -16,7 +16,7 @@ from codegen.policy.runtime.attention import (check_replicated, detach_full_widt
                                               slice_full_width_norms, slice_head_linears)
 from codegen.policy.runtime.base import PATCH_MARKER, REDUCER_ATTR, SUPPORTED_DEEPSPEED, PolicyError
 from codegen.policy.runtime.experts import row_layer_policy, shard_experts
-from codegen.policy.runtime.environment import launcher_notes, local_ranks, thread_note
+from codegen.policy.runtime.environment import destroy_group_at_exit, launcher_notes, local_ranks, thread_note
 from codegen.policy.runtime.groups import CoalescedAllReduce, TensorParallelGroups, route_inference_reductions
 from codegen.policy.runtime.linear_attention import (detach_linear_attention, linear_attention_modules,
                                                      shard_linear_attention)
@@ -57,6 +57,7 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
         if problem:
             raise PolicyError(problem)
         deepspeed.init_distributed()
+        destroy_group_at_exit(dist)
     coalesce = bool(getattr(model.config, knob, False))
     blocks = moe_blocks(model, layout)
     if coalesce and not blocks:

@@ -7,8 +7,10 @@ mpi4py); neither launcher sets OMP_NUM_THREADS, so every rank runs as many threa
 cores; and every environment with the same Python builds DeepSpeed's CPU op into the same
 ~/.cache/torch_extensions/<py>_cpu, rebuilding it (half a minute or more) whenever environments alternate.
 Each helper here changes only what is unset, returns what it did as a one-line note, and never raises.
+And a process group this policy started is also ended by it, at exit (`destroy_group_at_exit`).
 """
 
+import atexit
 import hashlib
 import os
 import socket
@@ -26,6 +28,20 @@ def extensions_dir(env=None, prefix=None):
     base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     tag = hashlib.sha256(prefix.encode()).hexdigest()[:10]
     return os.path.join(base, "torch_extensions", f"codegen-{os.path.basename(prefix.rstrip('/'))}-{tag}")
+
+
+def destroy_group_at_exit(dist):
+    """End the process group this policy started while the interpreter is still whole, at exit.
+
+    Left to interpreter finalization, gloo's worker threads can outlive it and abort the rank with SIGABRT
+    ("terminate called without an active exception", pytorch/pytorch#190489) after the script's work is done,
+    so the launcher reports a failed job. A program that destroyed the group itself makes this a no-op.
+    """
+    def destroy():
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    atexit.register(destroy)
 
 
 def _free_port():
