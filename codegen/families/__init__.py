@@ -20,7 +20,7 @@ from __future__ import annotations
 from codegen.families.examples import EXAMPLES, FULL_WIDTH_CAPS, PUBLISHED_ROUTING_KEYS, Examples
 from codegen.families.kinds import ANCHOR_RETURNED_ROUTED, ANCHOR_RETURNED_SUM, ANCHOR_ROUTED_FINAL, \
     ANCHOR_ROUTED_STATEMENT, ANCHOR_SHARED_INPLACE_SUM, ANCHOR_SHARED_SUM, COMMON_SIZES, HEADS_AND_WIDTHS, \
-    IMAGE_FLAT_PATCHES, IMAGE_PATCH_ROWS, IMAGE_WHOLE, KNOB, SPARSE_LAYER, TEXT_CONFIG, VISION_CONFIG, Alias, Family, FusedExperts, Legacy, LinearAttention, \
+    IMAGE_FLAT_PATCHES, IMAGE_PATCH_ROWS, IMAGE_POSITIONED_PATCHES, IMAGE_SIZED, IMAGE_WHOLE, KNOB, SPARSE_LAYER, TEXT_CONFIG, VISION_CONFIG, Alias, Family, FusedExperts, Legacy, LinearAttention, \
     MoELayers, PerExpertMLP, QuantizedForm, Wrapper
 from codegen.families.stock import STOCK_AUTOTP, UNSUPPORTED_STOCK, StockAutoTP
 from codegen.families.table import ALIASES, FAMILIES
@@ -30,7 +30,7 @@ __all__ = [
     "ALIASES", "ANCHOR_RETURNED_ROUTED", "ANCHOR_RETURNED_SUM", "ANCHOR_ROUTED_FINAL", "ANCHOR_ROUTED_STATEMENT",
     "ANCHOR_SHARED_INPLACE_SUM", "ANCHOR_SHARED_SUM",
     "COMMON_SIZES", "EXAMPLES", "FAMILIES", "FULL_WIDTH_CAPS", "HEADS_AND_WIDTHS", "IMAGE_FLAT_PATCHES",
-    "IMAGE_PATCH_ROWS", "IMAGE_WHOLE", "KNOB", "NOT_YET", "PUBLISHED_ROUTING_KEYS", "REFUSED", "SPARSE_LAYER",
+    "IMAGE_PATCH_ROWS", "IMAGE_POSITIONED_PATCHES", "IMAGE_SIZED", "IMAGE_WHOLE", "KNOB", "NOT_YET", "PUBLISHED_ROUTING_KEYS", "REFUSED", "SPARSE_LAYER",
     "STOCK_AUTOTP", "TEXT_CONFIG", "UNSUPPORTED", "UNSUPPORTED_STOCK", "VISION_CONFIG", "Alias", "Examples", "Family", "FusedExperts",
     "Legacy", "LinearAttention", "MoELayers", "PerExpertMLP", "QuantizedForm", "StockAutoTP", "Unsupported",
     "Wrapper", "family_named", "fused_attr_names", "moe_class_names", "normalise_model_type", "sizes_of",

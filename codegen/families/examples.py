@@ -274,6 +274,7 @@ EXAMPLES: dict[str, Examples] = {
         vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                     num_key_value_heads=2, head_dim=16, patch_size=8, pooling_kernel_size=2,
                     position_embedding_size=64),
+        wrapper=dict(image_token_id=250, boi_token_id=251, eoi_token_id=252),
     ),
     # mk_tiny's (Mistral Large 4): MLA without a q LoRA, a DSA indexer (full, then shared), NoPE on layer 1, a
     # pixtral vision tower
@@ -284,6 +285,7 @@ EXAMPLES: dict[str, Examples] = {
                   index_head_dim=16, index_n_heads=2, indexer_types=["full", "shared"], no_rope_layers=[1, 0]),
         vision=dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                     num_attention_heads=2, head_dim=16, patch_size=14, image_size=56, hidden_act="silu"),
+        wrapper=dict(image_token_id=250),
     ),
     # a lightning-attention layer, then a full-attention one (as mk_tiny.py builds it)
     "minimax": Examples(tiny=dict(_TINY, head_dim=16, intermediate_size=32, num_local_experts=8,

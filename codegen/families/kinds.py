@@ -50,6 +50,10 @@ IMAGE_FLAT_PATCHES = "flat_patches"
 IMAGE_PATCH_ROWS = "patch_rows"
 #: whole images [batch, channels, image_size, image_size] (Step3-VL)
 IMAGE_WHOLE = "whole"
+#: whole images and their `image_sizes` [batch, 2] (Pixtral towers: Mistral-Large-4)
+IMAGE_SIZED = "sized"
+#: patch rows per image [batch, patches, channels * patch**2] and their (x, y) `image_position_ids` (Gemma 4)
+IMAGE_POSITIONED_PATCHES = "positioned_patches"
 
 #: the config key of a multimodal config that nests the text decoder's sizes
 TEXT_CONFIG = "text_config"

@@ -88,7 +88,8 @@ STOCK_AUTOTP: dict[str, StockAutoTP] = {
                           why="its router, an nn.Linear subclass, becomes a DeepSpeed layer that returns one tensor "
                               "where the router returns two"),
     "gemma4": StockAutoTP(why="its router's nn.Linear `proj` is column-split (routing on half the scores); its "
-                              "experts stay replicated", wrong=True, allreduces=5, experts=1.0),
+                              "experts stay replicated", wrong=True, allreduces=5, experts=1.0,
+                          image_allreduces=7),
     "mistral_large4": StockAutoTP(crash=_SIZES_DIFFER, why="the attention's per-head query scale and bias are not "
                                                           "cut with the heads, and the DSA indexer is split"),
     "minimax": StockAutoTP(crash=_SIZES_DIFFER,

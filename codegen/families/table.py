@@ -10,8 +10,9 @@ The examples and the measured stock AutoTP figures are kept beside the table (ex
 from __future__ import annotations
 
 from codegen.families.kinds import ANCHOR_RETURNED_ROUTED, ANCHOR_RETURNED_SUM, ANCHOR_ROUTED_STATEMENT, \
-    ANCHOR_SHARED_INPLACE_SUM, IMAGE_FLAT_PATCHES, IMAGE_PATCH_ROWS, IMAGE_WHOLE, Alias, Family, FusedExperts, Legacy, \
-    LinearAttention, MoELayers, PerExpertMLP, QuantizedForm, Wrapper, table
+    ANCHOR_SHARED_INPLACE_SUM, IMAGE_FLAT_PATCHES, IMAGE_PATCH_ROWS, IMAGE_POSITIONED_PATCHES, IMAGE_SIZED, \
+    IMAGE_WHOLE, Alias, Family, FusedExperts, Legacy, LinearAttention, MoELayers, PerExpertMLP, QuantizedForm, \
+    Wrapper, table
 from codegen.policy.runtime.base import FUSED_FLAT_ROWS, FUSED_GATE_UP_HALVES_COLS, FUSED_GATE_UP_INTERLEAVED_COLS
 
 #: the DeepSeek MoE block: shared experts beside routed ones counted by `n_routed_experts`
@@ -361,7 +362,8 @@ FAMILIES: dict[str, Family] = table(
         tp_divisible_keys=("num_attention_heads", "num_key_value_heads", "num_global_key_value_heads",
                            "moe_intermediate_size", "intermediate_size"),
         wrapper=Wrapper(replicated=("vision_tower", "embed_vision", "audio_tower", "embed_audio"),
-                        text_model="Gemma4TextModel"),
+                        text_model="Gemma4TextModel", image_input=IMAGE_POSITIONED_PATCHES,
+                        image_start_key="boi_token_id", image_end_key="eoi_token_id"),
         known_good=("5.5.0", "5.24.0"),
     ),
     Family(
@@ -371,7 +373,8 @@ FAMILIES: dict[str, Family] = table(
         attention_replicated=(*_MLA, "indexer"), layers=_FIRST_DENSE,
         # the attention's per-head query scaling (log-position scale and bias per head): cut with the heads
         attention_head_params=("softmax_scaling.scale", "softmax_scaling.bias"),
-        wrapper=Wrapper(replicated=("vision_tower", "multi_modal_projector"), text_model="MistralLarge4TextModel"),
+        wrapper=Wrapper(replicated=("vision_tower", "multi_modal_projector"), text_model="MistralLarge4TextModel",
+                        image_input=IMAGE_SIZED),
         known_good=("5.22.0", "5.24.0"),
     ),
     Family(

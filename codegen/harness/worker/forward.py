@@ -87,7 +87,7 @@ def measure(phase: str, model, run: Run, opts: dict, ids, ref: Reference) -> dic
         result["moe_allreduce_entries"] = tally([e for e in moe_entries if e in ALL_REDUCE_OPS])
         per_forward = counter.calls
         counts = {key: list(values) for key, values in counts.items()}
-        counts["moe"] = [c - sum(counts[key][j] for key, j in nested[id(b)]) for b, c in zip(blocks, counts["moe"])]
+        counts["moe"] = own_moe_counts(counts, groups, nested)
         prefill_s = []
         for _ in range(opts["repeats"]):
             dist.barrier()
@@ -135,10 +135,10 @@ def measure(phase: str, model, run: Run, opts: dict, ids, ref: Reference) -> dic
                 figures = None
                 if crashed is None:
                     figures, crashed = guarded(run, "stock, with an image",
-                                               lambda: image_forward(model, blocks, run, ref))
+                                               lambda: image_forward(model, groups, nested, run, ref))
                 result["image"] = figures if crashed is None else {"crashed": crashed}
             else:
-                result["image"] = image_forward(model, blocks, run, ref)
+                result["image"] = image_forward(model, groups, nested, run, ref)
     result["phase_timings"] = {"sharding_figures_s": t1 - t0, "generate_s": time.perf_counter() - t1}
     if opts["grad_check"] and phase == "codegen":
         result["grad_check"] = grad_check(blocks, counter, dist)
@@ -158,10 +158,19 @@ def decode_check(model, ids, ref: Reference, steps: int) -> tuple[int, float]:
     return min(steps, len(ref.forced)), worst
 
 
-def image_forward(model, blocks, run: Run, ref: Reference) -> dict:
+def own_moe_counts(counts: dict, groups: dict, nested: dict) -> list[int]:
+    """Each MoE block's all-reduces less those of the attention and dense MLP blocks nested in it (an MoE block
+    that is a whole decoder layer: Gemma 4)."""
+    return [c - sum(counts[key][j] for key, j in nested[id(b)]) for b, c in zip(groups["moe"], counts["moe"])]
+
+
+def image_forward(model, groups: dict, nested: dict, run: Run, ref: Reference) -> dict:
     """One counted forward of the reference's image prompt: all-reduces in all and per MoE block, logits diff."""
     counter = run.counter
-    moe_counts, hooks = per_block_counts(blocks, counter)
+    hooks, counts = [], {}
+    for key in ("attention", "moe", "dense_mlp"):
+        counts[key], handles = per_block_counts(groups[key], counter)
+        hooks += handles
     counter.reset()
     try:
         with counter:
@@ -169,7 +178,7 @@ def image_forward(model, blocks, run: Run, ref: Reference) -> dict:
     finally:
         for h in hooks:
             h.remove()
-    return {"allreduce_per_forward": counter.calls, "allreduce_per_moe_block": moe_counts,
+    return {"allreduce_per_forward": counter.calls, "allreduce_per_moe_block": own_moe_counts(counts, groups, nested),
             "maxdiff": (logits - ref.image_logits).abs().max().item()}
 
 

@@ -12,7 +12,8 @@ import inspect
 
 import torch
 
-from codegen.families import IMAGE_FLAT_PATCHES, IMAGE_PATCH_ROWS, IMAGE_WHOLE, Family, family_named, normalise_model_type
+from codegen.families import (IMAGE_FLAT_PATCHES, IMAGE_PATCH_ROWS, IMAGE_POSITIONED_PATCHES, IMAGE_SIZED, IMAGE_WHOLE,
+                              Family, family_named, normalise_model_type)
 
 #: patches per side of the tiny image (a multiple of every merge size the table names)
 GRID_SIDE = 4
@@ -20,9 +21,18 @@ GRID_SIDE = 4
 
 def _pixels(family: Family, vision, batch: int, generator: torch.Generator) -> dict:
     kind = family.wrapper.image_input
-    if kind == IMAGE_WHOLE:  # [batch, channels, size, size]
+    if kind in (IMAGE_WHOLE, IMAGE_SIZED):  # [batch, channels, size, size]
         channels = getattr(vision, "num_channels", 3)
-        return {"pixel_values": torch.randn(batch, channels, vision.image_size, vision.image_size, generator=generator)}
+        size = vision.image_size
+        whole = {"pixel_values": torch.randn(batch, channels, size, size, generator=generator)}
+        return whole if kind == IMAGE_WHOLE else {**whole, "image_sizes": torch.tensor([[size, size]] * batch)}
+    if kind == IMAGE_POSITIONED_PATCHES:  # [batch, side*side, 3 * patch**2], (x, y) per patch
+        pooling = getattr(vision, "pooling_kernel_size", 1)
+        side = pooling * max(1, GRID_SIDE // pooling)  # whole pooling windows
+        y, x = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+        positions = torch.stack([x.flatten(), y.flatten()], dim=-1)
+        return {"pixel_values": torch.randn(batch, side * side, 3 * vision.patch_size ** 2, generator=generator),
+                "image_position_ids": positions.expand(batch, -1, -1).clone()}
     grid = torch.tensor([[1, GRID_SIDE, GRID_SIDE]] * batch)
     rows = batch * GRID_SIDE * GRID_SIDE
     patch = vision.patch_size
@@ -47,8 +57,11 @@ def image_inputs(model, ids: torch.Tensor) -> dict | None:
     vision = config.vision_config
     batch = ids.shape[0]
     pixels = {k: v.to(ids.device) for k, v in _pixels(family, vision, batch, torch.Generator().manual_seed(2)).items()}
+    one = {k: v[: v.shape[0] // batch] for k, v in pixels.items()}
+    if "vision_feature_layer" in inspect.signature(model.model.get_image_features).parameters:
+        # its forward fills this from the config; called on its own, it must be given (Mistral 3 and kin)
+        one["vision_feature_layer"] = getattr(config, "vision_feature_layer", -1)
     with torch.no_grad():
-        one = {k: v[: v.shape[0] // batch] for k, v in pixels.items()}
         first = model.model.get_image_features(**one)
     # 5.x: an output whose pooler_output lists each image's features; 4.x: a tuple led by them
     first = getattr(first, "pooler_output", first)
