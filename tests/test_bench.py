@@ -216,6 +216,42 @@ def test_logits_match_the_single_process_reference(smoke, family):
 
 
 @pytest.mark.runtime
+def test_machine_limits_and_floors_are_recorded(smoke):
+    """The run measures the machine's limits on its ranks (memory bandwidth, GEMM throughput) and gives every setup
+    that ran a floor per phase beside its measured time, and floor / measured in the table. Presence and sanity
+    only: on a shared machine a floor above the measured time is possible, and nothing here is timed."""
+    _, result, record = smoke
+    limits = record["machine_limits"]
+    assert limits["method"]["bandwidth"] and limits["method"]["floor"]
+    for part, ranks in (("tp", record["tp"]), ("single", 1)):
+        assert limits[part]["ranks"] == ranks and len(limits[part]["per_rank"]) == ranks
+        assert limits[part]["read_gb_s"] > 0 and limits[part]["copy_gb_s"] > 0 and limits[part]["gemm_gflop_s"] > 0
+        for rank in limits[part]["per_rank"]:
+            assert rank["buffer_bytes"] >= rank["last_level_cache_bytes"] and rank["dtype"] == "float32"
+    assert limits["tp"]["per_rank"][0]["concurrent_ranks"] == record["tp"]
+    for row in record["rows"]:
+        for mode in ("stock", "codegen", "native", "single"):
+            figures = row.get(mode)
+            if figures is None or "crashed" in figures:
+                continue
+            floor = figures["floor"]
+            assert floor["routing_seen"], (row["family"], mode)
+            for phase in ("prefill", "decode", "ttft"):
+                assert floor[phase]["s"] > 0 and floor[phase]["bytes_per_rank"] > 0 and floor[phase]["flops_per_rank"] > 0
+                assert floor[phase]["bound"] in ("memory", "compute")
+            assert floor["e2e"]["s"] > floor["ttft"]["s"]
+            assert floor["prefill"]["flops_per_rank"] > floor["decode"]["flops_per_rank"]
+            assert all(share > 0 for share in floor["of_limit"].values()) and set(floor["of_limit"]) == {
+                "prefill", "decode", "ttft", "e2e"}
+            assert floor["of_limit"]["decode"] == pytest.approx(floor["decode"]["s"] / figures["decode"]["median"])
+            assert 1 <= floor["experts_hit_per_moe_layer"]["decode_mean"] <= row["shape"].get("experts", 10**6)
+        # TP splits the weights: codegen's rank reads less per decode step than the one process reading them all
+        b, e = row["codegen"]["floor"]["decode"], row["single"]["floor"]["decode"]
+        assert b["bytes_per_rank"] < e["bytes_per_rank"] and b["flops_per_rank"] < e["flops_per_rank"]
+    assert "% of limit: decode" in result.stdout and "machine limits, measured in the run: per rank" in result.stdout
+
+
+@pytest.mark.runtime
 def test_timings_and_patch_times_are_recorded(smoke):
     _, result, record = smoke
     s = record["settings"]
@@ -523,3 +559,100 @@ def test_ratios_are_b_over_the_other_setup_and_none_where_it_crashed():
     r = ratios(figures(2.0, 50), figures(4.0, 100))
     assert r["decode_median"] == r["prefill_median"] == r["expert_bytes"] == 0.5 and r["rest_bytes"] == 1.0
     assert set(ratios(figures(2.0, 50), {"mode": "native", "crashed": "RuntimeError: x"}).values()) == {None}
+
+
+# ------------------------------------------------------------------ the machine's limit: the floor arithmetic
+
+
+#: a known small model by hand: hidden 4, vocab 10, one layer: attention q, k, v, o (4 x 4 each) and two norms (4
+#: each), an embedding and a separate head (10 x 4), one MoE layer of 4 experts with gate, up (4 -> 2) and down
+#: (2 -> 4), float32
+_SMALL = {"dense_bytes": (4 * 16 + 2 * 4) * 4, "dense_flops_per_token": 2 * 4 * 16,
+          "head_bytes": 40 * 4, "head_flops_per_token": 2 * 40, "lookup_bytes": 40 * 4, "lookup_row_bytes": 4 * 4,
+          "moe": [{"experts": 4, "expert_bytes": 4 * 3 * 8 * 4, "expert_numel": 4 * 3 * 8}]}
+
+
+@pytest.mark.unit
+def test_floor_arithmetic_on_a_known_small_config():
+    """Bytes: the weights outside the experts, the rows looked up, each expert hit once; FLOPs: 2 per matrix
+    element per token, the head per logit position, one expert per (token, expert) pair; the floor is the larger of
+    bytes / bandwidth and FLOPs / GEMM throughput, the slowest rank's."""
+    from codegen.harness.limits import floor_seconds, forward_work, of_limit, phase_floor, setup_floor, summary
+
+    # decode, batch 1, top-2: two experts hit, two pairs routed
+    one = forward_work(_SMALL, [{"distinct": 2, "assignments": 2}], tokens=1, logit_positions=1)
+    assert one == {"bytes": 288 + 160 + 16 + 384 * 2 // 4, "flops": 128 + 80 + 2 * 2 * 24}
+    # batch 16: every expert hit, 32 pairs; a prefill of 16 tokens with every position's logits
+    sixteen = forward_work(_SMALL, [{"distinct": 4, "assignments": 32}], tokens=16, logit_positions=16)
+    assert sixteen == {"bytes": 288 + 160 + 160 + 384, "flops": 16 * 128 + 16 * 80 + 2 * 32 * 24}
+    # routing not seen: every expert read, no expert FLOPs counted (still a lower bound)
+    assert forward_work(_SMALL, None, 1, 1) == {"bytes": 288 + 160 + 16 + 384, "flops": 128 + 80}
+    limits = {"read_bytes_per_s": 1000.0, "gemm_flops_per_s": 100.0}
+    assert floor_seconds(one, limits) == pytest.approx(304 / 100)  # compute-bound at these limits
+    assert floor_seconds(one, {**limits, "read_bytes_per_s": 100.0}) == pytest.approx(656 / 100)
+    assert floor_seconds(one, {}) is None
+    # TP=2: each rank holds half of every weight; the slower rank (half the bandwidth) sets the floor
+    half = {**_SMALL, **{k: _SMALL[k] // 2 for k in ("dense_bytes", "dense_flops_per_token", "head_bytes",
+                                                      "head_flops_per_token")},
+            "moe": [{"experts": 4, "expert_bytes": 192, "expert_numel": 48}]}
+    work = forward_work(half, [{"distinct": 2, "assignments": 2}], 1, 1)
+    slow = {"read_bytes_per_s": 10.0, "gemm_flops_per_s": 1e9}
+    found = phase_floor([work, work], [{"read_bytes_per_s": 20.0, "gemm_flops_per_s": 1e9}, slow])
+    assert found == {"s": work["bytes"] / 10.0, "bytes_per_rank": work["bytes"], "flops_per_rank": work["flops"],
+                     "bound": "memory"}
+    per_rank = {"prefill": sixteen, "ttft": sixteen, "decode": [one, one, sixteen]}
+    floors = setup_floor([per_rank], [limits], e2e_tokens=4)
+    assert floors["decode"]["s"] == pytest.approx(304 / 100) and floors["decode"]["steps"] == 3
+    assert floors["e2e"]["s"] == pytest.approx(floors["ttft"]["s"] + 3 * floors["decode"]["s"])
+    assert setup_floor([per_rank], [None]) is None  # a record without limits has no floor
+    assert of_limit(1.0, 4.0) == 0.25 and of_limit(None, 4.0) is None
+    assert summary([{"read_bytes_per_s": 2e9, "copy_bytes_per_s": 1e9, "gemm_flops_per_s": 5e9},
+                    {"read_bytes_per_s": 3e9, "copy_bytes_per_s": 2e9, "gemm_flops_per_s": 4e9}])["gemm_gflop_s"] == 4
+
+
+@pytest.mark.unit
+def test_inventory_and_routing_of_a_tiny_model_match_its_config():
+    """The rank's inventory comes from walking the parameters it holds (no family formula): on the tiny Qwen3-MoE
+    every byte is in exactly one kind, each MoE layer holds its experts' weights, and the routing hooks see top-k
+    (token, expert) pairs per token."""
+    import torch
+    import transformers
+
+    from codegen.families import FAMILIES as TABLE
+    from codegen.harness.examples import shape
+    from codegen.harness.worker.limits import RoutingRecorder, inventory
+
+    config = getattr(transformers, TABLE["qwen3_moe"].config_class)(**shape("qwen3_moe", "tiny"))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    inv = inventory(model)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert inv["dense_bytes"] + inv["head_bytes"] + inv["lookup_bytes"] + sum(m["expert_bytes"] for m in inv["moe"]) \
+        == total
+    assert inv["head_bytes"] == inv["lookup_bytes"] == config.vocab_size * config.hidden_size * 4
+    assert inv["lookup_row_bytes"] == config.hidden_size * 4
+    assert len(inv["moe"]) == config.num_hidden_layers
+    for layer in inv["moe"]:
+        assert layer["experts"] == config.num_experts
+        assert layer["expert_numel"] == config.num_experts * 3 * config.hidden_size * config.moe_intermediate_size
+    recorder = RoutingRecorder(model)
+    recorder.active = True
+    with torch.no_grad():
+        model(torch.randint(0, config.vocab_size, (2, 5)))
+    hits = recorder.take()
+    recorder.remove()
+    assert [h["assignments"] for h in hits] == [10 * config.num_experts_per_tok] * config.num_hidden_layers
+    assert all(config.num_experts_per_tok <= h["distinct"] <= config.num_experts for h in hits)
+    assert recorder.take() is None  # nothing seen since
+
+
+@pytest.mark.unit
+def test_records_without_limits_render_a_dash():
+    """The recorded runs predate the measurement: the table and the README line show `—`, never a number."""
+    from codegen.harness.report import NO_LIMIT, markdown, merge, summary_table
+
+    merged = merge(RECORDED + PEERS)
+    table = markdown(merged)
+    assert "% of limit: decode" in table and f"| {NO_LIMIT} / {NO_LIMIT} / " in table
+    assert f"machine limits {NO_LIMIT} (not measured in this record)" in table
+    assert f"limit (floor / measured time" in summary_table(merged)

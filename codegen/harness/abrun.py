@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from codegen.families import EXAMPLES
+from codegen.harness import limits as machine_limits
 from codegen.harness.prepare import Progress, ab_spec, prepare_examples
 from codegen.harness.results import ratios, summarise_ab
 
@@ -43,8 +44,9 @@ def families_of(kind: str) -> tuple[str, ...]:
 
 def run_ab(kind: str, families: tuple[str, ...], tp: int, device: str, root: Path, progress: Progress,
            echo_patch: bool = False, dtype: str = "float32", groups: dict[str, tuple] | None = None
-           ) -> tuple[list[dict], list[dict], dict]:
-    """Build, patch and run the ab phase of every (family, batch) in one launch: (rows, rank records, dirs).
+           ) -> tuple[list[dict], list[dict], dict, dict]:
+    """Build, patch and run the ab phase of every (family, batch) in one launch: (rows, rank records, dirs, the
+    machine limits the launches measured: {"tp": ..., "single": ...}, codegen.harness.limits.summary).
 
     `groups` gives, per family, the interleaved groups of setups (default: all of the kind's setups
     in one group); a family run in two groups gets one row, (b)'s figures from the first.
@@ -76,7 +78,8 @@ def run_ab(kind: str, families: tuple[str, ...], tp: int, device: str, root: Pat
                 ranks[k]["jobs"].update(rank["jobs"])
             else:
                 ranks.append(rank)
-    singles = _run_single(dirs, families, device, dtype, settings, progress) if settings.get("single") else {}
+    singles, single_limits = (_run_single(dirs, families, device, dtype, settings, progress)
+                              if settings.get("single") else ({}, None))
     rows = []
     for family in families:
         shape = shape_of(dirs[family]["unpatched"], family, settings["size"])
@@ -95,13 +98,16 @@ def run_ab(kind: str, families: tuple[str, ...], tp: int, device: str, root: Pat
                 row["groups"] = [list(job["setups"]) for job in jobs
                                  if job["family"] == family and job["batch"] == batch]
             rows.append(row)
-    return rows, ranks, dirs
+    limits = {"tp": machine_limits.summary([r.get("limits") or {} for r in ranks])}
+    if single_limits is not None:
+        limits["single"] = machine_limits.summary([single_limits])
+    return rows, ranks, dirs, limits
 
 
 def _run_single(dirs: dict, families: tuple[str, ...], device: str, dtype: str, settings: dict,
-                progress: Progress) -> dict:
+                progress: Progress) -> tuple[dict, dict]:
     """(e): every (family, batch) in one launch of ONE process holding every core the ranks had together (the
-    launcher gives a launch's ranks the cores between them): {(family, batch): its ab record}."""
+    launcher gives a launch's ranks the cores between them): ({(family, batch): its ab record}, its limits)."""
     from codegen.harness.launcher import launch
 
     jobs = [{"name": f"{family}/b{batch}/e", "family": family, "batch": batch, "setups": SINGLE}
@@ -110,7 +116,7 @@ def _run_single(dirs: dict, families: tuple[str, ...], device: str, dtype: str, 
              f"({', '.join(families)}); after the tensor-parallel launch, the same prompts and forced tokens")
     (rank,) = launch(ab_spec(dirs, jobs, 1, device, dtype, settings), 1, settings["timeout"], progress,
                      what="benchmark (e)")
-    return {(job["family"], job["batch"]): rank["jobs"][job["name"]]["ab"] for job in jobs}
+    return {(job["family"], job["batch"]): rank["jobs"][job["name"]]["ab"] for job in jobs}, rank.get("limits") or {}
 
 
 def label(family: str) -> str:

@@ -30,6 +30,7 @@ from pathlib import Path
 from codegen.errors import BadInput, VerifyFailed
 from codegen.harness.abrun import PAIRS, SETTINGS, families_of, label, run_ab, size_name
 from codegen.harness.checks import TOLERANCE, ab_problems
+from codegen.harness.limits import METHOD as LIMITS_METHOD
 from codegen.harness.opcache import shm_op_cached
 from codegen.harness.prepare import Progress, make_workdir
 from codegen.harness.results import record as result_record
@@ -102,7 +103,7 @@ def run_bench(kind: str, device: str, tp: int, workdir: Path | None, progress: P
     try:
         compiled = device == "cpu" and not shm_op_cached()
         load_start = _loadavg()
-        rows, ranks, dirs = run_ab(kind, families, tp, device, root, progress, dtype=dtype, groups=groups)
+        rows, ranks, dirs, limits = run_ab(kind, families, tp, device, root, progress, dtype=dtype, groups=groups)
         load_end = _loadavg()
         for row in rows:
             if row["family"] in memory:
@@ -125,7 +126,7 @@ def run_bench(kind: str, device: str, tp: int, workdir: Path | None, progress: P
             wall_s=time.monotonic() - started, method=METHOD, deepspeed_cpu_op_compiled_during_run=compiled,
             patch_timing={"startup_baseline_s": baseline, "families": trials,
                           "median_s": {f: statistics.median(t) for f, t in trials.items()}},
-            rows=rows,
+            machine_limits={**limits, "method": LIMITS_METHOD}, rows=rows,
         )
         record["machine"].update({"loadavg_1min_before_ranks": load_start, "loadavg_1min_after_ranks": load_end},
                                  **({"gpu": ranks[0]["gpu"]} if "gpu" in ranks[0] else {}))

@@ -28,7 +28,7 @@ def run_demo(root: Path, progress: Progress, families: tuple[str, ...] = tuple(F
     started = time.monotonic()
     progress(f"before = stock AutoTP on the unpatched dir, after = the patched dir loaded with trust_remote_code "
              f"+ its autotp_policy.py, on {WORLD} CPU ranks")
-    rows, _, _ = run_ab("demo", families, WORLD, "cpu", root, progress, echo_patch=True)
+    rows, *_ = run_ab("demo", families, WORLD, "cpu", root, progress, echo_patch=True)
     entries = {row["family"]: row for row in rows}
     progress(f"ranks finished in {time.monotonic() - started:.1f}s")
     found = [p for family, e in entries.items() for p in ab_problems(family, e)]

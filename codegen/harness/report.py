@@ -122,6 +122,39 @@ def _b_over(row: dict, mode: str) -> str:
     return f"{_over(_time(b, 'decode'), _time(other, 'decode'))}, {_over(_time(b, 'e2e'), _time(other, 'e2e'))}"
 
 
+#: what a limit figure shows where the record has none (recorded before the bench measured the machine's limits)
+NO_LIMIT = "—"
+
+
+def _pct(share: float | None) -> str:
+    if share is None:
+        return NO_LIMIT
+    return f"{share:.0%}" if share >= 0.095 else f"{share:.1%}"
+
+
+def _of_limit(figures: dict, phase: str) -> str:
+    """floor / measured time of one phase (codegen.harness.limits), as a percentage; NO_LIMIT where not recorded."""
+    return _pct((figures.get("floor") or {}).get("of_limit", {}).get(phase))
+
+
+def _limits_line(rec: dict) -> str:
+    """The machine limits a run measured, for its line under the table."""
+    limits = rec.get("machine_limits")
+    if not limits or not (limits.get("tp") or {}).get("read_gb_s"):
+        return f"machine limits {NO_LIMIT} (not measured in this record)"
+
+    def one(part: dict, who: str) -> str:
+        first = part["per_rank"][0]
+        return (f"{who}: read {part['read_gb_s']:.1f} GB/s, copy {part['copy_gb_s']:.1f} GB/s, {first['dtype']} GEMM "
+                f"{part['gemm_gflop_s']:.1f} GFLOP/s (n={first['gemm_n']}, {first['threads']} thread"
+                f"{'s' if first['threads'] != 1 else ''}, {first['buffer_bytes'] / 2**20:.0f} MiB buffer)")
+
+    text = "machine limits, measured in the run: " + one(limits["tp"], f"per rank, {limits['tp']['ranks']} at once")
+    if (limits.get("single") or {}).get("read_gb_s"):
+        text += "; " + one(limits["single"], "one process")
+    return text
+
+
 #: the heading of the list of cells where another setup beat codegen (docs/results.md carries it under the table)
 NOT_FASTEST = "Where codegen is not fastest"
 
@@ -171,12 +204,16 @@ def markdown(record_or_merged: dict) -> str:
         "Numerics: float32 rows max |Δlogits| vs the float32 single process (c); bfloat16 rows the relative error "
         "max|Δ|/max|logits| vs (c) and the share of decode steps whose greedy token matches (c)'s. End to end: "
         "`generate()` from the prompt to N greedy new tokens (EOS ignored), tokens/s = batch × N / wall time, TTFT = "
-        "time to first token; b/x = codegen's time over x's (decode step, end to end; < 1: codegen faster).",
+        "time to first token; b/x = codegen's time over x's (decode step, end to end; < 1: codegen faster). "
+        "% of limit = floor / measured time, the floor = max(bytes read / memory bandwidth, FLOPs / GEMM throughput) "
+        "of the slowest rank for that forward (its weights and the experts its routing hit), at the limits measured "
+        f"on the same ranks in the same run (docs/benchmark.md); `{NO_LIMIT}` = the record predates the measurement.",
         "",
         "| model | transformers | dtype | batch | collectives / MoE layer (decode) | collectives / decode step "
         "| decode ms | decode tokens/s | prefill ms | expert MiB / rank | numerics | end-to-end tokens/s | TTFT ms "
+        "| % of limit: decode | % of limit: prefill | % of limit: e2e "
         "| b/a decode, prefill | b/d decode, prefill | b/e decode, e2e" + (" | b/v decode, e2e |" if peers else " |"),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if peers else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if peers else ""),
     ]
     notes: dict[str, list[str]] = {}  # one line per finding, naming the rows it holds for
     for rec, row in _rows(records):
@@ -186,7 +223,7 @@ def markdown(record_or_merged: dict) -> str:
             notes.setdefault(f"{row['family']} ({size_name(row['size'])} widths, transformers {tf}): not run: "
                              f"{row['not_run']}", []).append(where)
             lines.append(f"| {row['family']} ({label(row['family'])}, {size_name(row['size'])}) | {tf} | {row['dtype']} "
-                         f"| {row['batch']} | not run: does not fit in memory (notes) |" + " |" * (11 + peers))
+                         f"| {row['batch']} | not run: does not fit in memory (notes) |" + " |" * (14 + peers))
             continue
         for mode, letter in SETUP_ORDER:
             figures = row.get(mode)
@@ -208,6 +245,8 @@ def markdown(record_or_merged: dict) -> str:
             f"| {_cells(row, lambda f: _numerics(f, row['dtype']))}{_unsharded(row)} "
             f"| {_e2e_cells(row, lambda e: format(e['tokens_per_s'], '.1f'))} "
             f"| {_e2e_cells(row, lambda e: format(e['ttft']['median'] * 1e3, '.0f'))} "
+            f"| {_cells(row, lambda f: _of_limit(f, 'decode'))} | {_cells(row, lambda f: _of_limit(f, 'prefill'))} "
+            f"| {_cells(row, lambda f: _of_limit(f, 'e2e'))} "
             f"| {_ratio_cell(row, 'ratio_b_over_a')} | {_ratio_cell(row, 'ratio_b_over_d')} | {_b_over(row, 'single')} |"
             + (f" {_b_over(row, PEER)} |" if peers else "")
         )
@@ -240,7 +279,8 @@ def _run_line(rec: dict) -> str:
     s = rec["settings"]
     return (f"{rec['kind']} ({size_name(s['size'])} widths), {rec['dtype']}, batches {', '.join(map(str, s['batches']))}: "
             f"{s['prompt_len']}-token prompt per sequence, {s['warmup']} warm-up + {s['prefill_repeats']} timed "
-            f"prefills, {s['warmup']} warm-up + {s['decode_steps']} timed decode steps; " + _machine_line(rec))
+            f"prefills, {s['warmup']} warm-up + {s['decode_steps']} timed decode steps; " + _machine_line(rec)
+            + "; " + _limits_line(rec))
 
 
 def _machine_line(rec: dict) -> str:
@@ -403,7 +443,22 @@ def summary_table(record_or_merged: dict) -> str:
                      f"| {_some(row, lambda f: format(f['param_bytes_per_rank']['experts'] / 2**20, '.0f'), abd)} "
                      f"| {_some(row, lambda f: format(f['decode_tokens_per_s'], '.1f'), (*abd, 'single'))} |"
                      + (f" {e2e} |" if peers else ""))
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + ["", *textwrap.wrap(_limit_summary(picked), 116, break_on_hyphens=False)]) + "\n"
+
+
+def _limit_summary(picked: list[tuple[dict, dict]]) -> str:
+    """The summary's line on how close codegen's decode step runs to the machine's limit in its rows."""
+    shares = [(row, row["codegen"]["floor"]["of_limit"]["decode"]) for _, row in picked
+              if _present(row, "codegen") and (row["codegen"].get("floor") or {}).get("of_limit", {}).get("decode")]
+    if not shares:
+        return (f"% of the machine's limit (floor / measured time; the floor from the bytes and FLOPs a rank's forward "
+                f"needs at the bandwidth and GEMM throughput measured in the same run): {NO_LIMIT} in these rows, "
+                "recorded before the bench measured it (docs/results.md has the column).")
+    low, high = min(s for _, s in shares), max(s for _, s in shares)
+    bound = sorted({row["codegen"]["floor"]["decode"]["bound"] for row, _ in shares})
+    return (f"codegen's decode step runs at {_pct(low)}–{_pct(high)} of the machine's limit in these rows (floor / "
+            f"measured; the floor, {'- or '.join(bound)}-bound, from the bytes and FLOPs a rank's forward needs at the "
+            "bandwidth and GEMM throughput measured in the same run).")
 
 
 def refresh_docs(paths: list[Path], record_or_merged: dict) -> None:

@@ -26,6 +26,7 @@ import subprocess
 from pathlib import Path
 
 from codegen import __version__
+from codegen.harness import limits as machine_limits
 
 SCHEMA = "codegen-result/1"
 #: the b/a ratios of an ab entry (None each where stock crashed or a is 0)
@@ -167,8 +168,9 @@ def crashed(figures: dict | list) -> str | None:
     return None
 
 
-def _setup_figures(rs: list[dict], batch: int, prompt_len: int) -> dict:
-    """One setup's figures over its ranks: counts from rank 0 (checked equal on all), times the slowest rank's."""
+def _setup_figures(rs: list[dict], batch: int, prompt_len: int, limits: list[dict | None]) -> dict:
+    """One setup's figures over its ranks: counts from rank 0 (checked equal on all), times the slowest rank's;
+    `limits`: each rank's machine limits, for the floor (codegen.harness.limits)."""
     m = rs[0]
     keys = ("prefill_allreduce", "decode_allreduce", "prefill_allreduce_per_moe_block", "decode_allreduce_per_moe_block",
             "prefill_gathers", "decode_gathers", "prefill_gathers_per_moe_block", "decode_gathers_per_moe_block")
@@ -208,7 +210,32 @@ def _setup_figures(rs: list[dict], batch: int, prompt_len: int) -> dict:
     figures["token_agreement"] = rs[0]["tokens_agree"] / total if total else None
     if m.get("note"):
         figures["note"] = m["note"]
+    floor = _floor(rs, limits, figures)
+    if floor is not None:
+        figures["floor"] = floor
     return figures
+
+
+def _floor(rs: list[dict], limits: list[dict | None], figures: dict) -> dict | None:
+    """The setup's floor per phase beside its measured time, and floor / measured (`of_limit`); None where the
+    ranks recorded no work or no limits (records older than the measurement)."""
+    if not all(r.get("work") for r in rs):
+        return None
+    e2e = figures.get("e2e")
+    floor = machine_limits.setup_floor([r["work"] for r in rs], limits, e2e["new_tokens"] if e2e else 0)
+    if floor is None:
+        return None
+    measured = {"prefill": figures["prefill"]["median"], "decode": figures["decode"]["median"],
+                "ttft": e2e["ttft"]["median"] if e2e else None, "e2e": e2e["total"]["median"] if e2e else None}
+    floor["of_limit"] = {phase: machine_limits.of_limit(floor[phase]["s"], measured[phase])
+                         for phase in measured if phase in floor}
+    work = rs[0]["work"]
+    floor["routing_seen"] = all(r["work"].get("routing_seen") for r in rs)
+    if work.get("prefill_hits"):
+        floor["experts_hit_per_moe_layer"] = {
+            "prefill_mean": _mean(h["distinct"] for h in work["prefill_hits"]),
+            "decode_mean": _mean(h["distinct"] for step in work["decode_hits"] if step for h in step)}
+    return floor
 
 
 def ratios(b: dict, other: dict) -> dict:
@@ -257,7 +284,8 @@ def summarise_ab(per_rank: list[dict], shape: dict) -> dict:
         if mode not in first:
             continue
         rs = [r[mode] for r in per_rank]
-        entry[mode] = {"mode": mode, "crashed": crashed(rs)} if crashed(rs) else _setup_figures(rs, batch, prompt_len)
+        entry[mode] = {"mode": mode, "crashed": crashed(rs)} if crashed(rs) else _setup_figures(
+            rs, batch, prompt_len, [r.get("limits") for r in per_rank])
     if "stock" in entry and "codegen" in entry:
         entry["ratio_b_over_a"] = ratios(entry["codegen"], entry["stock"])
     if "native" in entry and "codegen" in entry:

@@ -22,8 +22,10 @@ import time
 
 import torch
 
+from codegen.harness.limits import forward_work
 from codegen.harness.memory import LOAD_ORDER
 from codegen.harness.worker.counting import per_block_counts
+from codegen.harness.worker.limits import RoutingRecorder, inventory
 from codegen.harness.worker.model_figures import cache_of, moe_blocks, param_bytes
 from codegen.harness.worker.reference import Reference, agree, relative
 from codegen.harness.worker.run import LABELS, Run, dry_run, guarded
@@ -78,8 +80,10 @@ def measure_ab(run: Run, job: dict, opts: dict, ids, ref: Reference) -> dict:
     run.say(f"{name}: loading {', '.join(LABELS[m] for m in wanted)} on {run.tp} ranks ({run.dtype_name})")
     models, record, crashes = _load_setups(run, job, opts, ids, wanted)
     order_base = [m for m in ("stock", "codegen", "native", "single") if m in models]
-    block_counts, gather_counts, hooks = {}, {}, []
+    block_counts, gather_counts, hooks, routing = {}, {}, [], {}
     for mode, model in models.items():
+        routing[mode] = RoutingRecorder(model)
+        record[mode]["inventory"] = inventory(model)
         blocks = moe_blocks(model)
         block_counts[mode], handles = per_block_counts(blocks, counter)
         gather_counts[mode], more = per_block_counts(blocks, counter, "gathers")
@@ -99,12 +103,15 @@ def measure_ab(run: Run, job: dict, opts: dict, ids, ref: Reference) -> dict:
         return output, time.perf_counter() - t0
 
     def counted(mode, *a, **kw):
-        """One forward under the counter: (output, (all-reduces, other collectives), per MoE block of each)."""
+        """One forward under the counter: (output, (all-reduces, other collectives), per MoE block of each); the
+        experts its routing hit are kept in routing[mode] (taken by the caller)."""
         dist.barrier()
         counter.reset()
         blocks_before, gathers_before = list(block_counts[mode]), list(gather_counts[mode])
+        routing[mode].active = True
         with counter:
             output = models[mode](*a, **kw)
+        routing[mode].active = False
         per_block = [x - y for x, y in zip(block_counts[mode], blocks_before)]
         per_block_gathers = [x - y for x, y in zip(gather_counts[mode], gathers_before)]
         return output, (counter.calls, counter.gathers), (per_block, per_block_gathers)
@@ -117,6 +124,12 @@ def measure_ab(run: Run, job: dict, opts: dict, ids, ref: Reference) -> dict:
                 timed(mode, ids)
         for mode in models:
             output, (calls, gathers), (per_block, per_block_gathers) = counted(mode, ids)
+            hits, inv, tokens = routing[mode].take(), record[mode]["inventory"], ids.numel()
+            # the bench's prefill computes every position's logits; generate's (time to first token) the last one's
+            record[mode]["work"] = {"routing_seen": hits is not None, "prefill_hits": hits,
+                                    "prefill": forward_work(inv, hits, tokens, tokens),
+                                    "ttft": forward_work(inv, hits, tokens, ids.shape[0]),
+                                    "decode": [], "decode_hits": []}
             logits = output.logits.float().cpu()
             record[mode].update(prefill_allreduce=calls, prefill_allreduce_per_moe_block=per_block,
                                 prefill_gathers=gathers, prefill_gathers_per_moe_block=per_block_gathers,
@@ -137,6 +150,10 @@ def measure_ab(run: Run, job: dict, opts: dict, ids, ref: Reference) -> dict:
                     mode, ref.forced[k], past_key_values=cache, use_cache=True)
                 cache = cache_of(output)
                 r = record[mode]
+                hits = routing[mode].take()
+                r["work"]["decode"].append(forward_work(r["inventory"], hits, ids.shape[0], ids.shape[0]))
+                r["work"]["decode_hits"].append(hits)
+                r["work"]["routing_seen"] &= hits is not None
                 r["decode_allreduce"].append(calls)
                 r["decode_allreduce_per_moe_block"].append(per_block)
                 r["decode_gathers"].append(gathers)
@@ -179,12 +196,14 @@ def measure_ab(run: Run, job: dict, opts: dict, ids, ref: Reference) -> dict:
                 record[mode]["e2e_tokens"] = new_tokens
     for h in hooks:
         h.remove()
+    for recorder in routing.values():
+        recorder.remove()
     models.clear()
     gc.collect()
     for mode, crash in crashes.items():
         record[mode] = {"mode": mode, "crashed": crash}
     return {**record, "full_bytes": ref.bytes, "batch": int(ids.shape[0]), "prompt_len": int(ids.shape[1]),
-            "dtype": run.dtype_name, "rss_peak_bytes": rss_peak(),
+            "dtype": run.dtype_name, "rss_peak_bytes": rss_peak(), "limits": run.limits,
             "reference": {"prefill_s": ref.prefill_s, "decode_s": ref.decode_s[warmup:],
                           "baseline": ref.baseline}}
 

@@ -41,6 +41,7 @@ from codegen.harness.opcache import preload_shm_op, save_shm_op  # noqa: E402
 from codegen.harness.worker.ab import measure_ab  # noqa: E402
 from codegen.harness.worker.counting import CollectiveCounter  # noqa: E402
 from codegen.harness.worker.forward import built_and_dry_run, measure, measure_built  # noqa: E402
+from codegen.harness.worker.limits import measure_limits  # noqa: E402
 from codegen.models import model_sizes  # noqa: E402
 from codegen.harness.worker.protocol import DEFAULTS, PHASES  # noqa: E402
 from codegen.harness.worker.reference import Reference, release_heap  # noqa: E402
@@ -137,6 +138,10 @@ def _main(spec: dict, out: Path) -> None:
     record = {"rank": run.rank, "world_size": dist.get_world_size(), "timings": timings, "jobs": {}}
     if device_kind == "cuda":
         record["gpu"] = torch.cuda.get_device_name(run.device)
+    if any("ab" in job["phases"] for job in spec["jobs"]):  # before anything is loaded, every rank at once
+        run.say(f"machine limits: memory bandwidth and {run.dtype_name} GEMM throughput, every rank at once")
+        record["limits"] = run.limits = measure_limits(run)
+        gc.collect()
     for job in spec["jobs"]:
         record["jobs"][job["name"]] = run_job(run, job, spec.get("options", {}), timings)
         run.say(f"{job['name']}: done ({time.perf_counter() - _T0:.0f}s on the ranks so far)")

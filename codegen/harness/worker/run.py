@@ -30,6 +30,8 @@ class Run:
         self.dist = dist
         self.counter = counter
         self.rank = dist.get_rank()
+        #: this rank's memory bandwidth and GEMM throughput (codegen.harness.worker.limits), measured at the start
+        self.limits: dict | None = None
 
     def say(self, message: str) -> None:
         if self.rank == 0:
