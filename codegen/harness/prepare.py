@@ -85,6 +85,7 @@ def ab_spec(dirs: dict[str, dict], jobs: list[dict], tp: int, device: str, dtype
         "tp": tp,
         "device": device,
         "dtype": dtype,
+        "limits": settings.get("limits", True),  # measure the machine's limits first (codegen.harness.worker.limits)
         "options": {"prompt_len": settings["prompt_len"], "generate": 0, "decode_steps": settings["decode_steps"],
                     "warmup": settings["warmup"], "repeats": settings["prefill_repeats"],
                     "e2e_tokens": settings.get("e2e_tokens", 0), "e2e_repeats": settings.get("e2e_repeats", 1)},

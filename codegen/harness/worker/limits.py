@@ -84,9 +84,10 @@ def measure_limits(run) -> dict:
         if time.perf_counter() - t0 >= GEMM_SECONDS:
             break
         n *= 2
-    agreed = torch.tensor([n], dtype=torch.int64, device=run.device)
-    torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)  # not under the collective counter
-    n = int(agreed.item())
+    if world > 1:
+        agreed = torch.tensor([n], dtype=torch.int64, device=run.device)
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)  # not under the collective counter
+        n = int(agreed.item())
     a = torch.randn(n, n, device=run.device).to(run.dtype)
     b = torch.randn(n, n, device=run.device).to(run.dtype)
     a @ b  # warm-up

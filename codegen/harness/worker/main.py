@@ -138,7 +138,7 @@ def _main(spec: dict, out: Path) -> None:
     record = {"rank": run.rank, "world_size": dist.get_world_size(), "timings": timings, "jobs": {}}
     if device_kind == "cuda":
         record["gpu"] = torch.cuda.get_device_name(run.device)
-    if any("ab" in job["phases"] for job in spec["jobs"]):  # before anything is loaded, every rank at once
+    if spec.get("limits") and any("ab" in job["phases"] for job in spec["jobs"]):  # before any load, all ranks at once
         run.say(f"machine limits: memory bandwidth and {run.dtype_name} GEMM throughput, every rank at once")
         record["limits"] = run.limits = measure_limits(run)
         gc.collect()
