@@ -220,6 +220,8 @@ def test_machine_limits_and_floors_are_recorded(smoke):
     """The run measures the machine's limits on its ranks (memory bandwidth, GEMM throughput) and gives every setup
     that ran a floor per phase beside its measured time, and floor / measured in the table. Presence and sanity
     only: on a shared machine a floor above the measured time is possible, and nothing here is timed."""
+    from codegen.harness.worker.limits import MIN_BUFFER
+
     _, result, record = smoke
     limits = record["machine_limits"]
     assert limits["method"]["bandwidth"] and limits["method"]["floor"]
@@ -227,7 +229,8 @@ def test_machine_limits_and_floors_are_recorded(smoke):
         assert limits[part]["ranks"] == ranks and len(limits[part]["per_rank"]) == ranks
         assert limits[part]["read_gb_s"] > 0 and limits[part]["copy_gb_s"] > 0 and limits[part]["gemm_gflop_s"] > 0
         for rank in limits[part]["per_rank"]:
-            assert rank["buffer_bytes"] >= rank["last_level_cache_bytes"] and rank["dtype"] == "float32"
+            assert rank["buffer_bytes"] >= MIN_BUFFER and rank["last_level_cache_bytes"] > 0
+            assert rank["dtype"] == "float32" and rank["gemm_n"] >= 256
     assert limits["tp"]["per_rank"][0]["concurrent_ranks"] == record["tp"]
     for row in record["rows"]:
         for mode in ("stock", "codegen", "native", "single"):

@@ -456,7 +456,8 @@ def _limit_summary(picked: list[tuple[dict, dict]]) -> str:
                 "recorded before the bench measured it (docs/results.md has the column).")
     low, high = min(s for _, s in shares), max(s for _, s in shares)
     bound = sorted({row["codegen"]["floor"]["decode"]["bound"] for row, _ in shares})
-    return (f"codegen's decode step runs at {_pct(low)}–{_pct(high)} of the machine's limit in these rows (floor / "
+    span = _pct(low) if _pct(low) == _pct(high) else f"{_pct(low)}–{_pct(high)}"
+    return (f"codegen's decode step runs at {span} of the machine's limit in these rows (floor / "
             f"measured; the floor, {'- or '.join(bound)}-bound, from the bytes and FLOPs a rank's forward needs at the "
             "bandwidth and GEMM throughput measured in the same run).")
 
