@@ -639,11 +639,11 @@ def test_inventory_and_routing_of_a_tiny_model_match_its_config():
         assert layer["experts"] == config.num_experts
         assert layer["expert_numel"] == config.num_experts * 3 * config.hidden_size * config.moe_intermediate_size
     recorder = RoutingRecorder(model)
-    recorder.active = True
-    with torch.no_grad():
+    with torch.no_grad(), recorder:
         model(torch.randint(0, config.vocab_size, (2, 5)))
     hits = recorder.take()
-    recorder.remove()
+    with torch.no_grad():
+        model(torch.randint(0, config.vocab_size, (2, 5)))  # outside `with`: no hooks, nothing seen
     assert [h["assignments"] for h in hits] == [10 * config.num_experts_per_tok] * config.num_hidden_layers
     assert all(config.num_experts_per_tok <= h["distinct"] <= config.num_experts for h in hits)
     assert recorder.take() is None  # nothing seen since

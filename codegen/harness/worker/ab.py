@@ -108,10 +108,8 @@ def measure_ab(run: Run, job: dict, opts: dict, ids, ref: Reference) -> dict:
         dist.barrier()
         counter.reset()
         blocks_before, gathers_before = list(block_counts[mode]), list(gather_counts[mode])
-        routing[mode].active = True
-        with counter:
+        with routing[mode], counter:
             output = models[mode](*a, **kw)
-        routing[mode].active = False
         per_block = [x - y for x, y in zip(block_counts[mode], blocks_before)]
         per_block_gathers = [x - y for x, y in zip(gather_counts[mode], gathers_before)]
         return output, (counter.calls, counter.gathers), (per_block, per_block_gathers)
@@ -196,8 +194,6 @@ def measure_ab(run: Run, job: dict, opts: dict, ids, ref: Reference) -> dict:
                 record[mode]["e2e_tokens"] = new_tokens
     for h in hooks:
         h.remove()
-    for recorder in routing.values():
-        recorder.remove()
     models.clear()
     gc.collect()
     for mode, crash in crashes.items():

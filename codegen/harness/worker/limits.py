@@ -175,19 +175,23 @@ def inventory(model) -> dict:
 
 
 class RoutingRecorder:
-    """Per MoE layer, the distinct experts the routing hit and the (token, expert) pairs routed, while `active`.
+    """Per MoE layer, the distinct experts the routing hit and the (token, expert) pairs routed, inside `with`.
 
     Hooks on the experts module: a fused one is called with the top-k indices (the first integer tensor of its
     call); a list of per-expert modules (transformers 4.x) calls each expert it routes tokens to, with its rows.
+    The hooks exist only inside `with` (the untimed counted passes): a timed forward pays nothing for them.
     """
 
     def __init__(self, model) -> None:
-        self.active = False
-        self.handles = []
+        self.handles: list = []
         self.layers: list[dict] = []
-        for k, block in enumerate(moe_blocks(model)):
+        self.experts = []
+        for block in moe_blocks(model):
             self.layers.append({"distinct": set(), "assignments": 0, "seen": False})
-            experts = _experts_module(block)
+            self.experts.append(_experts_module(block))
+
+    def __enter__(self) -> RoutingRecorder:
+        for k, experts in enumerate(self.experts):
             if experts is None:
                 continue
             if isinstance(experts, torch.nn.ModuleList):
@@ -198,9 +202,15 @@ class RoutingRecorder:
                 count = expert_count(experts)
                 self.handles.append(experts.register_forward_pre_hook(
                     lambda _m, args, kwargs, k=k, count=count: self._fused(k, count, args, kwargs), with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
 
     def _expert(self, k: int, e: int, args) -> None:
-        if not self.active or not args or not isinstance(args[0], torch.Tensor):
+        if not args or not isinstance(args[0], torch.Tensor):
             return
         rows = args[0].numel() // max(args[0].shape[-1], 1)
         layer = self.layers[k]
@@ -210,8 +220,6 @@ class RoutingRecorder:
             layer["assignments"] += rows
 
     def _fused(self, k: int, count: int, args, kwargs) -> None:
-        if not self.active:
-            return
         found = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and not a.is_floating_point()]
         if not found:
             return
@@ -229,7 +237,3 @@ class RoutingRecorder:
         for layer in self.layers:
             layer.update(distinct=set(), assignments=0, seen=False)
         return hits
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
