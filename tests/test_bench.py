@@ -226,7 +226,7 @@ def test_machine_limits_and_floors_are_recorded(smoke):
     limits = record["machine_limits"]
     assert limits["method"]["bandwidth"] and limits["method"]["floor"]
     for part, ranks in (("tp", record["tp"]), ("single", 1)):
-        assert limits[part]["ranks"] == ranks and len(limits[part]["per_rank"]) == ranks
+        assert limits[part]["ranks"] == ranks and len(limits[part]["per_rank"]) == ranks * limits[part]["launches"]
         assert limits[part]["read_gb_s"] > 0 and limits[part]["copy_gb_s"] > 0 and limits[part]["gemm_gflop_s"] > 0
         for rank in limits[part]["per_rank"]:
             assert rank["buffer_bytes"] >= MIN_BUFFER and rank["last_level_cache_bytes"] > 0
@@ -610,7 +610,7 @@ def test_floor_arithmetic_on_a_known_small_config():
     assert setup_floor([per_rank], [None]) is None  # a record without limits has no floor
     assert of_limit(1.0, 4.0) == 0.25 and of_limit(None, 4.0) is None
     assert summary([{"read_bytes_per_s": 2e9, "copy_bytes_per_s": 1e9, "gemm_flops_per_s": 5e9},
-                    {"read_bytes_per_s": 3e9, "copy_bytes_per_s": 2e9, "gemm_flops_per_s": 4e9}])["gemm_gflop_s"] == 4
+                    {"read_bytes_per_s": 3e9, "copy_bytes_per_s": 2e9, "gemm_flops_per_s": 4e9}], 2)["gemm_gflop_s"] == 4
 
 
 @pytest.mark.unit

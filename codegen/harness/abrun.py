@@ -69,11 +69,13 @@ def run_ab(kind: str, families: tuple[str, ...], tp: int, device: str, root: Pat
     # full widths: one launch per family, so no rank carries one family's freed-but-kept heap into the next
     batches = [[f] for f in families] if settings["size"] == "full" else [list(families)]
     ranks: list[dict] = []
+    measured: list[dict] = []  # every launch's per-rank limits (full widths: one launch per family)
     for launched in batches:
         progress(f"starting {tp} {device.upper()} ranks ({', '.join(launched)}); every timed step runs each setup "
                  "back to back, in rotating order")
         spec = ab_spec(dirs, [job for job in jobs if job["family"] in launched], tp, device, dtype, settings)
         for k, rank in enumerate(launch(spec, tp, settings["timeout"], progress, what="benchmark")):
+            measured.append(rank.get("limits") or {})
             if k < len(ranks):
                 ranks[k]["jobs"].update(rank["jobs"])
             else:
@@ -98,9 +100,9 @@ def run_ab(kind: str, families: tuple[str, ...], tp: int, device: str, root: Pat
                 row["groups"] = [list(job["setups"]) for job in jobs
                                  if job["family"] == family and job["batch"] == batch]
             rows.append(row)
-    limits = {"tp": machine_limits.summary([r.get("limits") or {} for r in ranks])}
+    limits = {"tp": machine_limits.summary(measured, tp)}
     if single_limits is not None:
-        limits["single"] = machine_limits.summary([single_limits])
+        limits["single"] = machine_limits.summary([single_limits], 1)
     return rows, ranks, dirs, limits
 
 

@@ -103,14 +103,15 @@ def of_limit(floor_s: float | None, measured_s: float | None) -> float | None:
     return floor_s / measured_s if floor_s and measured_s else None
 
 
-def summary(per_rank: list[dict]) -> dict:
-    """The limits of one launch as the record keeps them: per rank, and the slowest rank's (what a TP step waits
-    for)."""
+def summary(per_rank: list[dict], ranks: int) -> dict:
+    """The limits measured by a run's launches of `ranks` ranks as the record keeps them: every rank of every launch
+    (`per_rank`, launch after launch), and the lowest of each (the slowest rank's: what a TP step waits for); a
+    row's floor uses the limits of its own launch."""
     def lowest(key: str) -> float | None:
         values = [r.get(key) for r in per_rank]
         return min(values) if values and all(values) else None
 
-    return {"ranks": len(per_rank), "per_rank": per_rank,
+    return {"ranks": ranks, "launches": len(per_rank) // max(ranks, 1), "per_rank": per_rank,
             "read_gb_s": (lowest("read_bytes_per_s") or 0) / 1e9 or None,
             "copy_gb_s": (lowest("copy_bytes_per_s") or 0) / 1e9 or None,
             "gemm_gflop_s": (lowest("gemm_flops_per_s") or 0) / 1e9 or None}

@@ -149,7 +149,9 @@ def _limits_line(rec: dict) -> str:
                 f"{part['gemm_gflop_s']:.1f} GFLOP/s (n={first['gemm_n']}, {first['threads']} thread"
                 f"{'s' if first['threads'] != 1 else ''}, {first['buffer_bytes'] / 2**20:.0f} MiB buffer)")
 
-    text = "machine limits, measured in the run: " + one(limits["tp"], f"per rank, {limits['tp']['ranks']} at once")
+    tp = limits["tp"]
+    text = "machine limits, measured in the run: " + one(tp, f"per rank, {tp['ranks']} at once" + (
+        f", lowest of {tp['launches']} launches" if tp.get("launches", 1) > 1 else ""))
     if (limits.get("single") or {}).get("read_gb_s"):
         text += "; " + one(limits["single"], "one process")
     return text
