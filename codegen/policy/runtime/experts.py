@@ -295,12 +295,18 @@ def row_layer_policy(model, blocks, layout, auto_tp):
     if not parsed:  # no layer has a linear in sight (its mixer kept whole, its experts fused): nothing is a row layer
         return {type(layer): () for layer in auto_tp.get_module_list(model)}
     experts = [block._modules.get(layout["experts"]) for _, block in blocks]
-    indices = {key for e in experts if isinstance(e, torch.nn.ModuleList) for key in e._modules}
     down = layout["per_expert"]["down"]
+    # the experts holding a down projection (a zero-compute expert, `nn.Identity`, holds none: nothing to name)
+    indices = {key for e in experts if isinstance(e, torch.nn.ModuleList) for key, expert in e._modules.items()
+               if expert is not None and isinstance(expert._modules.get(down), torch.nn.Linear)}
     wanted = {f"{i}.{down}" for i in indices}
+    # DeepSpeed names a linear by its parent's key: `<i>.<linear>` of expert i, but also of another ModuleList's i-th
+    # module (LongCat's `self_attn.0.o_proj` is `0.o_proj`): only the experts' own linears are dropped
+    own = {f"{key}.{child}" for e in experts if isinstance(e, torch.nn.ModuleList) for key, expert in e._modules.items()
+           if expert is not None for child in expert._modules}
     fixed = {}
     for layer_class, gems in parsed.items():
-        fixed[layer_class] = ({g for g in gems if g.split(".", 1)[0] not in indices} | wanted) if indices else gems
+        fixed[layer_class] = ({g for g in gems if g not in own} | wanted) if indices else gems
     for layer_class, gems in _dense_down_layers(model, layout).items():  # names DeepSpeed's parser misses
         if layer_class in fixed:
             fixed[layer_class] = set(fixed[layer_class]) | gems
