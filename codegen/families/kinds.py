@@ -295,6 +295,9 @@ class Family:
     #: decoder-layer attributes holding dense MLPs beside the MoE block (a ModuleList: one MLP sublayer each, LongCat's
     #: two per layer): each reduces on its own, as a dense MLP does
     dense_mlp_attrs: tuple[str, ...] = ()
+    #: attention sublayers per decoder layer (the attention attribute then holds a ModuleList of them), and dense MLP
+    #: sublayers under each `dense_mlp_attrs` attribute: each reduces once (LongCat: 2)
+    sublayers: int = 1
     #: attributes of the MoE block that reduce on their own, where the MoE block is a whole decoder layer (Gemma 4:
     #: its routed experts and router sit beside its attention and a dense MLP, each output normed before the sum):
     #: DeepSpeed shards them with their own all-reduce, the inserted one covers the routed experts alone

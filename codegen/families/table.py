@@ -455,7 +455,7 @@ FAMILIES: dict[str, Family] = table(
         tp_divisible_keys=("num_attention_heads", "num_key_value_heads", "expert_ffn_hidden_size", "ffn_hidden_size"),
         # each layer: two MLA sublayers (`self_attn`, a ModuleList; their low-rank inputs whole), two dense MLPs
         # (`mlps`) and the shortcut MoE (`mlp`), added after the second MLP
-        attention_replicated=_MLA, dense_mlp_attrs=("mlps",), layers=MoELayers(count="num_layers"),
+        attention_replicated=_MLA, dense_mlp_attrs=("mlps",), sublayers=2, layers=MoELayers(count="num_layers"),
         known_good=("4.57.1", "4.57.6", "5.0.0", "5.24.0"),
     ),
 )

@@ -296,14 +296,14 @@ def row_layer_policy(model, blocks, layout, auto_tp):
         return {type(layer): () for layer in auto_tp.get_module_list(model)}
     experts = [block._modules.get(layout["experts"]) for _, block in blocks]
     down = layout["per_expert"]["down"]
-    # the experts holding a down projection (a zero-compute expert, `nn.Identity`, holds none: nothing to name)
+    # zero-compute experts (`nn.Identity`) hold no projection: nothing to name
+    identity = set(layout.get("identity_experts", ()))
     indices = {key for e in experts if isinstance(e, torch.nn.ModuleList) for key, expert in e._modules.items()
-               if expert is not None and isinstance(expert._modules.get(down), torch.nn.Linear)}
+               if expert is not None and type(expert).__name__ not in identity}
     wanted = {f"{i}.{down}" for i in indices}
     # DeepSpeed names a linear by its parent's key: `<i>.<linear>` of expert i, but also of another ModuleList's i-th
-    # module (LongCat's `self_attn.0.o_proj` is `0.o_proj`): only the experts' own linears are dropped
-    own = {f"{key}.{child}" for e in experts if isinstance(e, torch.nn.ModuleList) for key, expert in e._modules.items()
-           if expert is not None for child in expert._modules}
+    # module (LongCat's `self_attn.0.o_proj` is `0.o_proj`): only the experts' own projections are dropped
+    own = {f"{key}.{name}" for key in indices for name in layout["per_expert"].values()}
     fixed = {}
     for layer_class, gems in parsed.items():
         fixed[layer_class] = ({g for g in gems if g not in own} | wanted) if indices else gems
