@@ -698,7 +698,8 @@ def _identity_family():
     return next(f for f in FAMILIES.values() if f.identity_experts)
 
 
-def test_zero_compute_experts_are_counted_once_over_the_group():
+@pytest.mark.parametrize("world", [2, 4])
+def test_zero_compute_experts_are_counted_once_over_the_group(world):
     """The table's zero-compute-expert family, its transformers experts: each rank's sharded experts plus (first rank
     only) the weighted token itself sum to the unsplit experts' output; without the rule the token counts twice."""
     import importlib
@@ -724,14 +725,14 @@ def test_zero_compute_experts_are_counted_once_over_the_group():
     full = experts(x, index, weights)
     layout = family.policy_layout()
     parts, unruled = [], []
-    for rank in range(2):
+    for rank in range(world):
         shard = copy.deepcopy(experts)
-        rt.shard_fused_experts(shard, "experts", rank, 2, layout["fused"])
+        rt.shard_fused_experts(shard, "experts", rank, world, layout["fused"])
         unruled.append(shard(x, index, weights))
         rt.count_identity_once(shard, "experts", rank, set(layout["identity_experts"]))
         parts.append(shard(x, index, weights))
-    torch.testing.assert_close(parts[0] + parts[1], full, rtol=1e-5, atol=1e-5)
-    assert (unruled[0] + unruled[1] - full).abs().max() > 1e-2  # the token itself, counted twice
+    torch.testing.assert_close(sum(parts), full, rtol=1e-5, atol=1e-5)
+    assert (sum(unruled) - full).abs().max() > 1e-2  # the token itself, counted once per rank
     assert type(getattr(shard, "identity_expert")).__name__ == "CountedOnAnotherRank"
     with pytest.raises(rt.PolicyError, match="no zero-compute expert"):
         rt.count_identity_once(nn.Module(), "experts", 1, {"Identity"})
