@@ -39,7 +39,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'deepseek_v4', 'moe_classes': ['DeepseekV4SparseMoeBlock'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': ''}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['moe_intermediate_size'], 'linear_attention': None, 'whole_modules': ['DeepseekV4Attention']}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_deepseek_v4'
-RUNTIME_SHA256 = '1c31fecf355141e0877ea35da780d31b3037e064c63d2067bedfff9da32a773a'
+RUNTIME_SHA256 = 'fe1b68e2a7e67fad473ade8766ac869f491d883faaed9818fee2a67dae297d84'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -601,7 +601,8 @@ def count_identity_once(experts, where, rank, identity):
     """Zero-compute experts (`identity`: their class names) add the token itself, weighted, inside the routed sum.
     Every rank computes that whole, so the one reduction would add it once per rank: on ranks other than the
     group's first each becomes a `CountedOnAnotherRank` (exact: the others add 0.0; no collective, no weights)."""
-    found = [(n, m) for n, m in experts.named_modules() if n and type(m).__name__ in identity | {"CountedOnAnotherRank"}]
+    found = [(n, m) for n, m in experts.named_modules()
+             if n and (type(m).__name__ in identity or isinstance(m, CountedOnAnotherRank))]
     if not found:
         raise PolicyError(f"{where} holds no zero-compute expert ({', '.join(sorted(identity))}) the family table "
                           "names: re-run patch")

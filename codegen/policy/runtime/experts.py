@@ -103,7 +103,8 @@ def count_identity_once(experts, where, rank, identity):
     """Zero-compute experts (`identity`: their class names) add the token itself, weighted, inside the routed sum.
     Every rank computes that whole, so the one reduction would add it once per rank: on ranks other than the
     group's first each becomes a `CountedOnAnotherRank` (exact: the others add 0.0; no collective, no weights)."""
-    found = [(n, m) for n, m in experts.named_modules() if n and type(m).__name__ in identity | {"CountedOnAnotherRank"}]
+    found = [(n, m) for n, m in experts.named_modules()
+             if n and (type(m).__name__ in identity or isinstance(m, CountedOnAnotherRank))]
     if not found:
         raise PolicyError(f"{where} holds no zero-compute expert ({', '.join(sorted(identity))}) the family table "
                           "names: re-run patch")
