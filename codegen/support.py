@@ -64,6 +64,11 @@ def _rules(family: Family) -> str:
         parts.append(f"linear attention `{mixer.attr}` ({_code(a for a, _ in mixer.projections)}, "
                      f"`{mixer.conv}`, {_code(mixer.head_params)}) sharded by key-head groups, `{mixer.output}` "
                      "reduced once")
+    if family.identity_experts:
+        parts.append(f"zero-compute experts {_code(family.identity_experts)} counted once (on each group's first rank)")
+    if family.dense_mlp_attrs:
+        parts.append(f"{family.sublayers} attention and {family.sublayers} dense MLP ({_code(family.dense_mlp_attrs)}) "
+                     "sublayers per layer, each reducing on its own")
     if family.block_reductions:
         parts.append(f"the MoE block is the decoder layer: {_code(family.block_reductions)} split, reducing on their own")
     if family.whole_modules:
@@ -114,6 +119,8 @@ def _codegen(family: Family) -> str:
         from codegen.patch.config import moe_layers
 
         beside = len(moe_layers(example.tiny, family))
+    # decoder layers of sublayers (LongCat): `sublayers` attention blocks and as many dense MLPs per dense attribute
+    beside += layers * (family.sublayers - 1 + family.sublayers * len(family.dense_mlp_attrs))
     return f"{2 * layers + beside - example.whole_mixers + 1} AR, experts 0.50{image}"
 
 

@@ -678,6 +678,66 @@ def test_row_layers_the_parser_got_wrong_for_per_expert_mlps_are_put_right():
     assert rt.row_layer_policy(nn.Module(), [("m", nn.Module())], layout, right) is None  # fused: no ModuleList
 
 
+def test_row_layers_keep_other_module_lists_linears_and_name_no_zero_compute_expert():
+    """DeepSpeed names a linear by its parent's key, so LongCat's `self_attn.0.o_proj` reads `0.o_proj` like expert 0's
+    projections: it stays a row layer; a zero-compute expert (`nn.Identity`) gets no `<i>.down_proj` (DeepSpeed
+    refuses a name that matches nothing)."""
+    block = nn.Module()
+    block.experts = nn.ModuleList([nn.Module(), nn.Module(), nn.Identity()])
+    blocks = [("layers.0.mlp", block)]
+    layout = {"experts": "experts", "per_expert": {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
+              "identity_experts": ["Identity"]}
+    parsed = _ParsedAutoTP(["0.o_proj", "1.o_proj", "0.up_proj"])
+    fixed = rt.row_layer_policy(nn.Module(), blocks, layout, parsed)
+    assert fixed == {nn.Module: ("0.down_proj", "0.o_proj", "1.down_proj", "1.o_proj")}
+    right = _ParsedAutoTP(["0.o_proj", "1.o_proj", "0.down_proj", "1.down_proj"])
+    assert rt.row_layer_policy(nn.Module(), blocks, layout, right) is None
+
+
+def _identity_family():
+    return next(f for f in FAMILIES.values() if f.identity_experts)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_zero_compute_experts_are_counted_once_over_the_group(world):
+    """The table's zero-compute-expert family, its transformers experts: each rank's sharded experts plus (first rank
+    only) the weighted token itself sum to the unsplit experts' output; without the rule the token counts twice."""
+    import importlib
+
+    import transformers
+
+    from codegen.families import EXAMPLES
+
+    family = _identity_family()
+    module = importlib.import_module(family.builtin_module)
+    config = getattr(transformers, family.config_class)(**EXAMPLES[family.model_type].tiny)
+    torch.manual_seed(3)
+    block = getattr(module, family.moe_classes[0])(config).eval()
+    experts = getattr(block, family.experts_attr)
+    with torch.no_grad():
+        for param in experts.parameters():
+            param.normal_(0, 0.5)
+    x = torch.randn(6, config.hidden_size)
+    routed = config.n_routed_experts
+    # every token reaches one computing expert and one zero-compute expert
+    index = torch.tensor([[e % routed, routed + e % config.zero_expert_num] for e in range(6)])
+    weights = torch.rand(6, 2)
+    full = experts(x, index, weights)
+    layout = family.policy_layout()
+    parts, unruled = [], []
+    for rank in range(world):
+        shard = copy.deepcopy(experts)
+        rt.shard_fused_experts(shard, "experts", rank, world, layout["fused"])
+        unruled.append(shard(x, index, weights))
+        rt.count_identity_once(shard, "experts", rank, set(layout["identity_experts"]))
+        parts.append(shard(x, index, weights))
+    torch.testing.assert_close(sum(parts), full, rtol=1e-5, atol=1e-5)
+    assert (sum(unruled) - full).abs().max() > 1e-2  # the token itself, counted once per rank
+    assert type(getattr(shard, "identity_expert")).__name__ == "CountedOnAnotherRank"
+    with pytest.raises(rt.PolicyError, match="no zero-compute expert"):
+        rt.count_identity_once(nn.Module(), "experts", 1, {"Identity"})
+
+
 def test_head_params_on_the_real_transformers_attention_match_the_unsplit_attention():
     """The table's head-param family, its transformers attention: 2 ranks' o-projection partial sums add up."""
     import importlib

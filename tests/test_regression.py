@@ -195,11 +195,18 @@ def _is_sum_into(node: ast.AST, var: str, source: str) -> bool:
     return into and "shared" in (ast.get_source_segment(source, node) or "")
 
 
-def _completes_routed_output(node: ast.stmt, var: str, experts: str) -> bool:
-    """`var = ...self.<experts>(...)...`, or a loop over the experts accumulating into `var` in place."""
+def _expert_helpers(moe: ast.ClassDef, experts: str) -> set[str]:
+    """Methods of the MoE block besides `forward` that reach `self.<experts>` (4.x LongCat's `self.moe(...)`)."""
+    return {n.name for n in moe.body if isinstance(n, ast.FunctionDef) and n.name != "forward" and any(
+        isinstance(a, ast.Attribute) and a.attr == experts and ast.unparse(a.value) == "self" for a in ast.walk(n))}
+
+
+def _completes_routed_output(node: ast.stmt, var: str, experts: str, helpers: set[str] = frozenset()) -> bool:
+    """`var = ...self.<experts>(...)...` (or a call of a block method that runs them: `helpers`), or a loop over the
+    experts accumulating into `var` in place."""
     def calls_experts(tree: ast.AST) -> bool:
         return any(
-            isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == experts
+            isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in {experts, *helpers}
             and isinstance(n.func.value, ast.Name) and n.func.value.id == "self" for n in ast.walk(tree)
         )
 
@@ -278,7 +285,8 @@ def test_patched_source_compiles_and_reduces_once_after_the_sum(entry: Entry) ->
             and before.value.func.attr in ("add_", "scatter_add_", "index_add_")
         comment = REDUCTION_COMMENT
     elif family.anchor == ANCHOR_ROUTED_FINAL:
-        assert i > 0 and _completes_routed_output(body[i - 1], var, family.experts_attr), (
+        helpers = _expert_helpers(moe, family.experts_attr)
+        assert i > 0 and _completes_routed_output(body[i - 1], var, family.experts_attr, helpers), (
             f"the statement before the reduction in {moe.name}.forward does not complete the routed output {var}:\n"
             + (ast.get_source_segment(patched, body[i - 1]) or "")
         )

@@ -293,6 +293,38 @@ def test_routed_final_4x_reduces_after_the_per_expert_loop_before_the_reshape():
     assert result.reduced_variable == "acc"
 
 
+def test_routed_final_follows_the_blocks_own_method_that_runs_its_experts():
+    """4.x DeepSeek-V3-style blocks without a shared expert (LongCat-Flash on 4.57): the forward calls `self.moe(...)`,
+    the block's method that loops over `self.experts`; its result is the routed output, reduced right after."""
+    before = _dedent(
+        """
+        class Qwen3MoeSparseMoeBlock(nn.Module):
+            def moe(self, hidden_states, topk_indices, topk_weights):
+                final = torch.zeros_like(hidden_states)
+                for expert_idx in range(len(self.experts)):
+                    final.index_add_(0, idx, self.experts[expert_idx](hidden_states[idx]))
+                return final
+
+            def forward(self, hidden_states):
+                orig_shape = hidden_states.shape
+                topk_indices, topk_weights = self.gate(hidden_states)
+                hidden_states = self.moe(hidden_states, topk_indices, topk_weights).view(*orig_shape)
+                return hidden_states
+        """
+    )
+    result = rewrite_source(before, _target("qwen3_moe"), BLOCK)
+    assert result.code.endswith(
+        "        hidden_states = self.moe(hidden_states, topk_indices, topk_weights).view(*orig_shape)\n"
+        "        # codegen: one all-reduce per MoE layer covers the routed experts\n"
+        "        hidden_states = _codegen_moe_all_reduce(self, hidden_states)\n"
+        "        return hidden_states\n"
+    )
+    # a method that never touches the experts is not one
+    unrelated = before.replace("self.experts[expert_idx]", "self.other[expert_idx]").replace("len(self.experts)", "4")
+    with pytest.raises(BadSource, match="no recognisable routed experts output"):
+        rewrite_source(unrelated, _target("qwen3_moe"), BLOCK)
+
+
 @pytest.mark.parametrize(
     "forward, message",
     [

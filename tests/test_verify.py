@@ -37,7 +37,9 @@ def _blocks(family: str) -> tuple[int, int, int]:
     layers, moe = config[table.layers.count], len(moe_layers(config, table))
     # an MoE block that is a whole decoder layer keeps a dense MLP beside its experts (Gemma 4): one more each
     beside = moe if set(table.block_reductions) & set(table.moe_block_attrs) else 0
-    return layers, moe, layers - moe + beside
+    # sublayers (LongCat): each layer holds `sublayers` attention blocks, and as many dense MLPs per dense attribute
+    dense = layers * table.sublayers * len(table.dense_mlp_attrs)
+    return layers * table.sublayers, moe, layers - moe + beside + dense
 
 
 SHAPE = {family: _blocks(family) for family in FAMILIES}

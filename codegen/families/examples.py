@@ -342,4 +342,9 @@ EXAMPLES: dict[str, Examples] = {
     "lfm2_moe": Examples(tiny=dict(_TINY, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
                                    num_experts_per_tok=2, num_dense_layers=1, layer_types=["conv", "full_attention"]),
                          whole_mixers=1),
+    # two layers (four attention sublayers: num_hidden_layers = 2 * num_layers), 8 routed + 2 zero-compute experts
+    # (as mk_tiny.py builds it)
+    "longcat_flash": Examples(tiny=dict(_TINY, **_TINY_MLA, num_layers=2, num_hidden_layers=4, ffn_hidden_size=128,
+                                        expert_ffn_hidden_size=32, n_routed_experts=8, moe_topk=2, zero_expert_num=2,
+                                        head_dim=8)),
 }

@@ -291,6 +291,17 @@ class Family:
     #: no collective. The experts still shard with one reduction per MoE layer, exact since the module's output is
     #: the same on every rank. Its head counts must not be in `tp_divisible_keys`
     whole_modules: tuple[str, ...] = ()
+    #: class names of zero-compute ("identity") experts among the routed experts (`nn.Identity`: the expert's output
+    #: is the token itself, weighted by its routing weight): every rank of a group would add that weighted token to
+    #: its partial sum, so the one reduction would count it tp times. On every rank but the group's first the policy
+    #: makes each such module return zeros, so the token is counted exactly once (exact: the others add 0.0)
+    identity_experts: tuple[str, ...] = ()
+    #: decoder-layer attributes holding dense MLPs beside the MoE block (a ModuleList: one MLP sublayer each, LongCat's
+    #: two per layer): each reduces on its own, as a dense MLP does
+    dense_mlp_attrs: tuple[str, ...] = ()
+    #: attention sublayers per decoder layer (the attention attribute then holds a ModuleList of them), and dense MLP
+    #: sublayers under each `dense_mlp_attrs` attribute: each reduces once (LongCat: 2)
+    sublayers: int = 1
     #: attributes of the MoE block that reduce on their own, where the MoE block is a whole decoder layer (Gemma 4:
     #: its routed experts and router sit beside its attention and a dense MLP, each output normed before the sum):
     #: DeepSpeed shards them with their own all-reduce, the inserted one covers the routed experts alone
@@ -414,6 +425,7 @@ class Family:
             # only where a row names some: the policies of the families without any stay byte-identical
             **({"whole_modules": list(self.whole_modules)} if self.whole_modules else {}),
             **({"block_reductions": list(self.block_reductions)} if self.block_reductions else {}),
+            **({"identity_experts": list(self.identity_experts)} if self.identity_experts else {}),
         }
 
 

@@ -103,7 +103,7 @@ FAMILIES: dict[str, Family] = table(
         model_type="deepseek_v3", config_class="DeepseekV3Config", moe_classes=("DeepseekV3MoE",),
         **_DEEPSEEK_MOE, more_positive_ints=_GROUPS, attention_replicated=_MLA, layers=_DEEPSEEK_LAYERS,
         known_good=("4.51.0", "4.51.3", "4.54.1", "4.55.4", "4.57.6", "5.0.0", "5.24.0", _HUB_DEEPSEEK),
-        remote_code_fixtures=("hub_kimi_k2",), relatives=("longcat_flash",),
+        remote_code_fixtures=("hub_kimi_k2",),
     ),
     Family(
         model_type="glm4_moe", config_class="Glm4MoeConfig", moe_classes=("Glm4MoeMoE",),
@@ -445,6 +445,21 @@ FAMILIES: dict[str, Family] = table(
         # the gated short-convolution mixer whole; the attention layers split by heads
         whole_modules=("Lfm2MoeShortConv",), layers=MoELayers(first_dense="num_dense_layers"),
         known_good=("5.0.0", "5.24.0"),
+    ),
+    Family(
+        model_type="longcat_flash", config_class="LongcatFlashConfig", moe_classes=("LongcatFlashMoE",),
+        # the router holds an nn.Linear `classifier` (over routed + zero-compute experts) that stock AutoTP splits
+        routers=("router",), num_experts_keys=("n_routed_experts",), top_k_keys=("moe_topk",),
+        # 5.x: gate_up [E + Z, 2I, H] (rows for the zero-compute experts too, never read), down [E, H, I]
+        fused=FusedExperts(size_attr="intermediate_size"),
+        # the zero-compute experts add the token itself (5.x: `identity_expert`; 4.x: ModuleList entries)
+        identity_experts=("Identity",),
+        more_positive_ints=("num_layers", "ffn_hidden_size", "expert_ffn_hidden_size"),
+        tp_divisible_keys=("num_attention_heads", "num_key_value_heads", "expert_ffn_hidden_size", "ffn_hidden_size"),
+        # each layer: two MLA sublayers (`self_attn`, a ModuleList; their low-rank inputs whole), two dense MLPs
+        # (`mlps`) and the shortcut MoE (`mlp`), added after the second MLP
+        attention_replicated=_MLA, dense_mlp_attrs=("mlps",), sublayers=2, layers=MoELayers(count="num_layers"),
+        known_good=("4.57.1", "4.57.6", "5.0.0", "5.24.0"),
     ),
 )
 

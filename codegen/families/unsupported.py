@@ -48,9 +48,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "ernie4_5_vl_moe": Unsupported(NOT_YET, "two routed expert sets per MoE block (`text_moe`, `vision_moe`, each with "
                                             "its own router) beside a shared expert: needs an expert layout kind for "
                                             "several expert sets"),
-    "longcat_flash": Unsupported(NOT_YET, "zero-compute identity experts add the token itself inside the routed "
-                                          "sum on every rank: needs an expert kind that adds them on one rank only "
-                                          "(not written yet); its layers hold two attention and two MLP sublayers"),
     "granitemoe_swa": Unsupported(NOT_YET, "the shared MLP is added in the decoder layer, not the MoE block"),
     "hy_v4": Unsupported(NOT_YET, "hyper-connections and a DSA indexer: not verified yet"),
     "jetmoe": Unsupported(REFUSED, "mixture of attention heads: its routed attention experts cannot be sharded "

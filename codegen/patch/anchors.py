@@ -55,9 +55,27 @@ def class_line(tree: ast.Module, name: str) -> int:
     return next(n.lineno for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
 
 
-def find_anchor(forward: cst.FunctionDef, target: RewriteTarget, lines: LineNumbers, class_name: str) -> Anchor:
-    """The anchor of the family's kind in `forward` (one BadSource line where there is none, or several)."""
+def find_anchor(forward: cst.FunctionDef, target: RewriteTarget, lines: LineNumbers, class_name: str,
+                moe_class: cst.ClassDef | None = None) -> Anchor:
+    """The anchor of the family's kind in `forward` (one BadSource line where there is none, or several).
+
+    `moe_class`, where given, lets the routed-final anchor follow the block's own helper method that runs its experts
+    (`T = self.moe(x, idx, w)`: transformers 4.x DeepSeek-V3 style blocks without a shared expert)."""
+    if target.family.anchor == ANCHOR_ROUTED_FINAL:
+        helpers = expert_helpers(moe_class, (target.family.experts_attr,)) if moe_class is not None else ()
+        return _find_routed_final_anchor(forward, target, lines, class_name, helpers)
     return _ANCHOR_FINDERS[target.family.anchor](forward, target, lines, class_name)
+
+
+def expert_helpers(moe_class: cst.ClassDef, experts: tuple[str, ...]) -> tuple[str, ...]:
+    """Methods of the MoE block, other than `forward`, that run its routed experts (their body calls or indexes
+    `self.<experts>`): a call to one of them computes the routed experts' output."""
+    found = []
+    for stmt in moe_class.body.body:
+        if (isinstance(stmt, cst.FunctionDef) and stmt.name.value != "forward"
+                and m.findall(stmt.body, _self_attr(experts))):
+            found.append(stmt.name.value)
+    return tuple(found)
 
 
 def version_hint(target: RewriteTarget) -> str:
@@ -340,12 +358,14 @@ def _require_bound_after(
         )
 
 
-def _find_routed_final_anchor(forward: cst.FunctionDef, target: RewriteTarget, lines: LineNumbers, class_name: str) -> Anchor:
+def _find_routed_final_anchor(forward: cst.FunctionDef, target: RewriteTarget, lines: LineNumbers, class_name: str,
+                              helpers: tuple[str, ...] = ()) -> Anchor:
     """No shared expert: the routed experts' output is the block's output; reduce it once it is complete.
 
-    Structural: a top-level `T = ...self.<experts>(...)...` (transformers 5.x, fused experts called once), or
-    a top-level loop that mentions `self.<experts>` and accumulates into a name bound before it
-    (`T.index_add_(...)`, `T += ...`, `T[i] += ...`: transformers 4.x, one expert per iteration).
+    Structural: a top-level `T = ...self.<experts>(...)...` (transformers 5.x, fused experts called once) or
+    `T = ...self.<helper>(...)...` (a method of the block that runs them: `helpers`), or a top-level loop that
+    mentions `self.<experts>` and accumulates into a name bound before it (`T.index_add_(...)`, `T += ...`,
+    `T[i] += ...`: transformers 4.x, one expert per iteration).
     """
     experts = (target.family.experts_attr,)
     body = list(forward.body.body)
@@ -353,7 +373,7 @@ def _find_routed_final_anchor(forward: cst.FunctionDef, target: RewriteTarget, l
     for index, stmt in enumerate(body):
         if m.matches(stmt, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(target=m.Name())])])):
             assign = stmt.body[0]
-            if m.findall(assign.value, m.Call(func=_self_attr(experts))):
+            if m.findall(assign.value, m.Call(func=_self_attr((*experts, *helpers)))):
                 found.append(Anchor(index, assign.targets[0].target.value, lines[assign]))
         elif isinstance(stmt, (cst.For, cst.While)) and m.findall(stmt, _self_attr(experts)):
             for name in _accumulated_names(stmt):

@@ -98,7 +98,8 @@ def _rewrite(text: str, target: RewriteTarget, helper_block: str, version_guard:
         moe_class = find_moe_class(module, target)
         forward = find_forward(moe_class, target)
         class_name = moe_class.name.value
-        anchor = find_anchor(forward, target, LineNumbers(moe_class, class_line(parsed.tree, class_name)), class_name)
+        anchor = find_anchor(forward, target, LineNumbers(moe_class, class_line(parsed.tree, class_name)), class_name,
+                             moe_class)
         fused = has_fused_experts(module, moe_class, family)
         comment = _REDUCTION_COMMENTS.get(family.anchor, REDUCTION_COMMENT)
         edit = WrapReturnedValue if family.anchor in _RETURNED else InsertReductionAfterStatement \

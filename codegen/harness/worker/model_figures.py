@@ -22,6 +22,8 @@ ROUTERS = {cls: tuple(dict.fromkeys(family.names(False)[1] + family.names(True)[
 MLP_ATTRS = tuple(dict.fromkeys(a for family in FAMILIES.values() for a in family.moe_block_attrs))
 #: decoder-layer attributes holding an attention block (of any kind), every family
 ATTENTION_ATTRS = tuple(dict.fromkeys(a for family in FAMILIES.values() for a in family.attention_attrs))
+#: decoder-layer attributes holding dense MLP sublayers beside the MoE block, every family
+DENSE_MLP_ATTRS = tuple(dict.fromkeys(a for family in FAMILIES.values() for a in family.dense_mlp_attrs))
 #: attributes of a multimodal wrapper's vision tower and projector, every family (their layers are not the decoder's)
 WRAPPER_PARTS = frozenset(a for family in FAMILIES.values() if family.wrapper for a in family.wrapper.replicated)
 #: classes of the token mixers families keep whole on every rank (`Family.whole_modules`): they add no reduction
@@ -89,6 +91,23 @@ def layer_attention(layer):
         if isinstance(block, torch.nn.Module):
             return block
     return None
+
+
+def sublayers(block) -> list:
+    """One block, or each of a ModuleList's (a decoder layer holding two attention or MLP sublayers: LongCat)."""
+    if isinstance(block, torch.nn.ModuleList):
+        return [b for b in block if isinstance(b, torch.nn.Module)]
+    return [] if block is None else [block]
+
+
+def layer_attention_blocks(layer) -> list:
+    """The decoder layer's attention blocks: its attention, or each attention sublayer."""
+    return sublayers(layer_attention(layer))
+
+
+def layer_dense_mlps(layer) -> list:
+    """The dense MLP sublayers a decoder layer holds beside its MoE block (the table's `dense_mlp_attrs`)."""
+    return [b for attr in DENSE_MLP_ATTRS for b in sublayers(getattr(layer, attr, None))]
 
 
 def decoder_layers(model) -> list:

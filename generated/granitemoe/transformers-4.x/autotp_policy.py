@@ -37,7 +37,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'granitemoe', 'moe_classes': ['GraniteMoeMoE'], 'experts': '', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'input_linear.weight', 'down': 'output_linear.weight', 'size_attr': '', 'gate_up_bias': '', 'down_bias': ''}, 'shared': [], 'routers': ['router'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['block_sparse_moe'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'intermediate_size'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_granitemoe'
-RUNTIME_SHA256 = '7c93e43fa9bb136afadf2a5d8dc52698740588763e888a64cdaf987e7b2d9291'
+RUNTIME_SHA256 = 'fe1b68e2a7e67fad473ade8766ac869f491d883faaed9818fee2a67dae297d84'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -564,14 +564,17 @@ def shard_experts(block, name, rank, world, layout, column_class, row_class):
     # "": the MoE block holds the fused layout's modules itself (its Parameters are dotted paths from the block)
     experts = getattr(block, layout["experts"], None) if layout["experts"] else block
     where = f"{name}.{layout['experts']}" if layout["experts"] else name
+    identity = set(layout.get("identity_experts", ()))
     if isinstance(experts, torch.nn.ModuleList):
         for index, expert in enumerate(experts):
-            if expert is not None:
+            if expert is not None and type(expert).__name__ not in identity:
                 shard_mlp(expert, f"{where}.{index}", layout["per_expert"], column_class, row_class)
     elif isinstance(experts, torch.nn.Module):
         shard_fused_experts(experts, where, rank, world, layout["fused"])
     else:
         raise PolicyError(f"{name} has no experts module {layout['experts']!r}: re-run patch")
+    if identity and isinstance(experts, torch.nn.Module):
+        count_identity_once(experts, where, rank, identity)
     for shared in layout["shared"]:
         module = getattr(block, shared, None)
         if module is not None:
@@ -582,6 +585,31 @@ def shard_experts(block, name, rank, world, layout, column_class, row_class):
         if isinstance(module, row_class) and not is_partial(module) and sub.split(".", 1)[0] not in own:
             raise PolicyError(f"{name}.{sub} still reduces on its own inside the MoE block, which the family "
                               "layout does not name: the one reduction would add it again")
+
+
+class CountedOnAnotherRank(torch.nn.Module):
+    """Stands in for a zero-compute (identity) expert on every rank but its group's first: zeros of the token's
+    shape, so the routing weight times the token enters the one reduction once, from the first rank."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return torch.zeros_like(hidden_states)
+
+
+def count_identity_once(experts, where, rank, identity):
+    """Zero-compute experts (`identity`: their class names) add the token itself, weighted, inside the routed sum.
+    Every rank computes that whole, so the one reduction would add it once per rank: on ranks other than the
+    group's first each becomes a `CountedOnAnotherRank` (exact: the others add 0.0; no collective, no weights)."""
+    found = [(n, m) for n, m in experts.named_modules()
+             if n and (type(m).__name__ in identity or isinstance(m, CountedOnAnotherRank))]
+    if not found:
+        raise PolicyError(f"{where} holds no zero-compute expert ({', '.join(sorted(identity))}) the family table "
+                          "names: re-run patch")
+    if rank == 0:
+        return
+    for path, _ in found:
+        parent_path, _, attr = path.rpartition(".")
+        parent = experts.get_submodule(parent_path) if parent_path else experts
+        parent._modules[attr] = CountedOnAnotherRank()
 
 
 @torch.no_grad()
@@ -764,12 +792,18 @@ def row_layer_policy(model, blocks, layout, auto_tp):
     if not parsed:  # no layer has a linear in sight (its mixer kept whole, its experts fused): nothing is a row layer
         return {type(layer): () for layer in auto_tp.get_module_list(model)}
     experts = [block._modules.get(layout["experts"]) for _, block in blocks]
-    indices = {key for e in experts if isinstance(e, torch.nn.ModuleList) for key in e._modules}
     down = layout["per_expert"]["down"]
+    # zero-compute experts (`nn.Identity`) hold no projection: nothing to name
+    identity = set(layout.get("identity_experts", ()))
+    indices = {key for e in experts if isinstance(e, torch.nn.ModuleList) for key, expert in e._modules.items()
+               if expert is not None and type(expert).__name__ not in identity}
     wanted = {f"{i}.{down}" for i in indices}
+    # DeepSpeed names a linear by its parent's key: `<i>.<linear>` of expert i, but also of another ModuleList's i-th
+    # module (LongCat's `self_attn.0.o_proj` is `0.o_proj`): only the experts' own projections are dropped
+    own = {f"{key}.{name}" for key in indices for name in layout["per_expert"].values()}
     fixed = {}
     for layer_class, gems in parsed.items():
-        fixed[layer_class] = ({g for g in gems if g.split(".", 1)[0] not in indices} | wanted) if indices else gems
+        fixed[layer_class] = ({g for g in gems if g not in own} | wanted) if indices else gems
     for layer_class, gems in _dense_down_layers(model, layout).items():  # names DeepSpeed's parser misses
         if layer_class in fixed:
             fixed[layer_class] = set(fixed[layer_class]) | gems
