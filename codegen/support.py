@@ -114,7 +114,8 @@ def _codegen(family: Family) -> str:
         from codegen.patch.config import moe_layers
 
         beside = len(moe_layers(example.tiny, family))
-    return f"{2 * layers + beside - example.whole_mixers + 1} AR, experts 0.50{image}"
+    units = layers if family.single_mixer_blocks else 2 * layers + beside  # a single-mixer block is one unit
+    return f"{units - example.whole_mixers + 1} AR, experts 0.50{image}"
 
 
 def supported_table() -> str:

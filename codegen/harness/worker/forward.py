@@ -17,7 +17,7 @@ import torch
 
 from codegen.harness.worker.counting import ALL_REDUCE_OPS, CollectiveCounter, per_block_counts, tally
 from codegen.harness.worker.model_figures import (attention_reductions, cache_of, decoder_layers, gate_types,
-                                                  gates_intact, layer_attention, layer_mlp, moe_blocks, param_bytes,
+                                                  gates_intact, layer_units, moe_blocks, param_bytes,
                                                   sharding_figures)
 from codegen.harness.worker.reference import Reference, greedy
 from codegen.harness.worker.run import Run, dry_run, guarded
@@ -46,10 +46,11 @@ def measure(phase: str, model, run: Run, opts: dict, ids, ref: Reference) -> dic
     layers = decoder_layers(model)
     blocks = moe_blocks(model)
     block_ids = {id(b) for b in blocks}
+    units = [layer_units(layer, block_ids) for layer in layers]
     groups = {
-        "attention": [layer_attention(layer) for layer in layers],
+        "attention": [attention for attention, _ in units if attention is not None],
         "moe": blocks,
-        "dense_mlp": [layer_mlp(layer) for layer in layers if id(layer_mlp(layer)) not in block_ids],
+        "dense_mlp": [mlp for _, mlp in units if mlp is not None and id(mlp) not in block_ids],
         "lm_head": [m for m in [model.get_output_embeddings()] if m is not None],
     }
     hooks, counts = [], {}

@@ -26,6 +26,8 @@ ATTENTION_ATTRS = tuple(dict.fromkeys(a for family in FAMILIES.values() for a in
 WRAPPER_PARTS = frozenset(a for family in FAMILIES.values() if family.wrapper for a in family.wrapper.replicated)
 #: classes of the token mixers families keep whole on every rank (`Family.whole_modules`): they add no reduction
 WHOLE_CLASSES = frozenset(c for family in FAMILIES.values() for c in family.whole_modules)
+#: the dense MLPs' down projections, every family: a single-mixer block holding one is a dense MLP
+DOWN_NAMES = tuple(dict.fromkeys(family.per_expert.down for family in FAMILIES.values()))
 
 
 def moe_blocks(model) -> list:
@@ -89,6 +91,18 @@ def layer_attention(layer):
         if isinstance(block, torch.nn.Module):
             return block
     return None
+
+
+def layer_units(layer, block_ids: set) -> tuple:
+    """(attention block, MLP or MoE block) of a decoder layer. A layer that is ONE mixer under one attribute
+    (`Family.single_mixer_blocks`: Nemotron-H) holds one or the other: its MoE block (`block_ids`) or a dense MLP
+    (it holds a down projection of the table's names) as the MLP, any other mixer as the attention."""
+    attention, mlp = layer_attention(layer), layer_mlp(layer)
+    if attention is None or attention is not mlp:
+        return attention, mlp
+    if id(mlp) in block_ids or any(isinstance(mlp._modules.get(down), torch.nn.Module) for down in DOWN_NAMES):
+        return None, mlp
+    return attention, None
 
 
 def decoder_layers(model) -> list:
