@@ -263,8 +263,9 @@ def slice_head_linears(owners, dist, group, rank, world, column_class):
 
 
 def detach_replicated(model, blocks, layout):
-    """Take routers (and the experts' latent projections), replicated attention modules, the modules kept whole by class (a token mixer whose head split
-    is not exact) and a wrapper's vision tower and projector out of the model, so DeepSpeed cannot shard or wrap them.
+    """Take routers (and the experts' latent projections), replicated attention modules, the modules kept whole by
+    class (a token mixer whose head split is not exact) and a wrapper's vision tower and projector out of the model,
+    so DeepSpeed cannot shard or wrap them.
 
     DeepSpeed's AutoTP keeps a few names whole by its own rules and wraps any `nn.Linear` (subclasses too);
     a module that is not in the tree while it shards is left alone whatever its name or type.
