@@ -62,6 +62,7 @@ RELEASES: dict[str, str] = {
     "5.0.0": "587086f249ce64c817213cf36afdb318d087f790723e9b3d4500b97832afd52d",  # first with glm4_moe_lite, minimax_m2, solar_open
     "5.1.0": "de534b50c9b2ce6217fc56421075a1734241fb40704fdc90f50f6a08fc533d59",  # first with exaone_moe
     "5.2.0": "9ecaf243dc45bee11a7d93f8caf03746accc0cb069181bbf4ad8566c53e854b4",  # first with glm_moe_dsa, qwen3_5_moe
+    "5.3.0": "50ac8c89c3c7033444fb3f9f53138096b997ebb70d4b5e50a2e810bf12d3d29a",  # first with nemotron_h
     "5.4.0": "9fbe50602d2a4e6d0aa8a35a605433dfac72d595ee2192eae192590a6cc2df86",  # first with mistral4
     "5.5.0": "821a9ff0961abbb29eb1eb686d78df1c85929fdf213a3fe49dc6bd94f9efa944",  # first with gemma4
     "5.8.0": "e9d2cae6d195a7e1e05164c5ebf26142a7044e4dc4267274f4809204f92827e4",  # first with deepseek_v4

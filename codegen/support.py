@@ -53,6 +53,11 @@ def _rules(family: Family) -> str:
     if family.shared_experts:
         parts.append(f"shared {_code(family.shared_experts)}")
     parts.append(f"routers {_code(family.names(legacy=False)[1])} whole")
+    latent = [n for n in (family.fused.latent_in, family.fused.latent_out) if n]
+    if latent:
+        parts.append(f"latent projections {_code(latent)} whole (where present), the output one's bias on one rank")
+    if family.single_mixer_blocks:
+        parts.append("each block one mixer (attention, MoE or dense MLP), one reduction at most")
     if family.attention_replicated:
         parts.append(f"{_code(family.attention_replicated)} replicated")
     if family.attention_head_params:
@@ -121,7 +126,8 @@ def _codegen(family: Family) -> str:
         beside = len(moe_layers(example.tiny, family))
     # decoder layers of sublayers (LongCat): `sublayers` attention blocks and as many dense MLPs per dense attribute
     beside += layers * (family.sublayers - 1 + family.sublayers * len(family.dense_mlp_attrs))
-    return f"{2 * layers + beside - example.whole_mixers + 1} AR, experts 0.50{image}"
+    units = layers if family.single_mixer_blocks else 2 * layers + beside  # a single-mixer block is one unit
+    return f"{units - example.whole_mixers + 1} AR, experts 0.50{image}"
 
 
 def supported_table() -> str:

@@ -92,3 +92,18 @@ def test_the_families_this_environment_covers_are_those_its_transformers_ships()
     shipped = [name for name, row in FAMILIES.items()
                if all(Version(f.first_release) <= installed for f in (row, row.text_family))]
     assert list(installed_families()) == shipped
+
+
+def test_moe_layers_by_a_per_layer_list_or_a_pattern_string_without_a_layer_count():
+    """A per-layer list or a one-character-per-layer pattern (the marks a row names) picks the MoE layers; where the
+    config holds no layer count (5.x Nemotron-H: `num_hidden_layers` is a property), the list's length counts."""
+    from codegen.families import Family, MoELayers
+    from codegen.patch.config import moe_layers
+
+    row = Family(model_type="toy_hybrid", config_class="ToyHybridConfig", moe_classes=("ToyMoE",),
+                 num_experts_keys=("n_experts",),
+                 layers=MoELayers(types="block_kinds", pattern="block_pattern", sparse_marks=("moe", "E")))
+    assert moe_layers({"block_kinds": ["mamba", "moe", "attention", "mlp", "moe"]}, row) == [1, 4]
+    assert moe_layers({"block_pattern": "ME*-E", "num_hidden_layers": 5}, row) == [1, 4]
+    assert moe_layers({"block_pattern": "ME*-E", "num_hidden_layers": 3}, row) == [1]
+    assert row.layers.keys() == ("num_hidden_layers", "block_kinds", "block_pattern")

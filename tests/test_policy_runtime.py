@@ -1206,7 +1206,8 @@ def test_the_runtime_is_self_contained_and_holds_no_family_name():
         layout = family.policy_layout()
         names = {layout["family"], layout["experts"], *layout["moe_classes"], *layout["shared"], *layout["routers"],
                  *layout["attention_replicated"], *layout["tp_divisible"], *layout["per_expert"].values(),
-                 layout["fused"]["gate_up"], layout["fused"]["down"], layout["fused"]["size_attr"]}
+                 layout["fused"]["gate_up"], layout["fused"]["down"], layout["fused"]["size_attr"],
+                 layout["fused"].get("latent_in", ""), layout["fused"].get("latent_out", "")} - {""}  # "": none
         schema = {*layout, *layout["per_expert"], *layout["fused"]}  # the layout's own keys, not family names
         assert not literals & (names - schema), literals & (names - schema)
 
@@ -1454,3 +1455,44 @@ def test_flat_row_experts_keep_each_experts_rows_of_gate_up_and_down_and_sum_to_
     for n, t in full.items():
         setattr(whole.mlp, n, torch.nn.Parameter(t))
     torch.testing.assert_close(total, expert_out(whole, x, 1, I))
+
+
+def test_non_gated_experts_behind_latent_projections_sum_to_the_whole_with_the_bias_once():
+    """FUSED_UP_ROWS: up [E, I, H], down [E, H, I] (down(act(up x))), behind latent projections of the block kept whole
+    (made-up names): each rank keeps I/world of both, the width attribute becomes the shard, only rank 0 keeps the
+    latent output projection's bias, and the ranks' outputs of latent_out(experts(latent_in(x))) add up exactly."""
+    from codegen.policy.runtime.base import FUSED_UP_ROWS
+
+    E_, I_, H_, L_, world = 3, 4, 6, 5, 2
+    torch.manual_seed(0)
+    names = {"kind": FUSED_UP_ROWS, "gate_up": "", "up": "w_in", "down": "w_out", "size_attr": "width",
+             "gate_up_bias": "", "down_bias": "", "latent_in": "squeeze", "latent_out": "unsqueeze"}
+    layout = {"experts": "bank", "fused": names, "shared": [], "per_expert": {"gate": "", "up": "u", "down": "d"}}
+
+    def build():
+        torch.manual_seed(1)
+        block = nn.Module()
+        block.squeeze, block.unsqueeze = nn.Linear(H_, L_), nn.Linear(L_, H_)
+        block.bank = nn.Module()
+        block.bank.w_in = nn.Parameter(torch.randn(E_, I_, L_))
+        block.bank.w_out = nn.Parameter(torch.randn(E_, L_, I_))
+        block.bank.width = I_
+        return block
+
+    def forward(block, x, e):
+        hidden = torch.relu(block.squeeze(x) @ block.bank.w_in[e].T) ** 2
+        return block.unsqueeze(hidden @ block.bank.w_out[e].T)
+
+    x = torch.randn(2, H_)
+    whole = forward(build(), x, 1)
+    total = torch.zeros_like(whole)
+    for rank in range(world):
+        block = build()
+        rt.shard_experts(block, "mixer", rank, world, layout, nn.Linear, type(None))
+        assert block.bank.width == I_ // world and block.bank.w_out.shape == (E_, L_, I_ // world)
+        assert block.squeeze.weight.shape == (L_, H_) and bool(block.unsqueeze.bias.abs().sum()) == (rank == 0)
+        total += forward(block, x, 1)
+    torch.testing.assert_close(total, whole)
+    with pytest.raises(rt.PolicyError) as info:  # an expert width the world does not divide
+        rt.shard_experts(build(), "mixer", 0, 3, layout, nn.Linear, type(None))
+    assert "cannot split the expert size 4 over 3 ranks" in _one_line(info)

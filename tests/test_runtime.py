@@ -163,6 +163,62 @@ def test_hybrid_on_four_ranks_matches_one_process_through_8_decode_steps(hybrid_
         assert r["tp_group_ranks"] == [own]
 
 
+# ------------------------------------------------------------- single-mixer blocks (a mixer kept whole) on 4 ranks
+
+def _single_mixer_runs() -> list[tuple[str, int, dict]]:
+    """(family, tp, overrides) per launch of 4 ranks, for the families whose blocks are one mixer each (Nemotron-H):
+    tp 4, and two groups of tp 2 with the experts behind latent projections that carry a bias (and biased MLPs)."""
+    from codegen.families import FAMILIES as TABLE
+    from codegen.harness.examples import installed_families
+
+    families = [f for f in installed_families() if TABLE[f].single_mixer_blocks]
+    return [run for f in families for run in ((f, 4, {}), (f, 2, {"moe_latent_size": 32, "mlp_bias": True}))]
+
+
+SINGLE_MIXER_RUNS = _single_mixer_runs()
+
+
+@pytest.fixture(scope="module", params=SINGLE_MIXER_RUNS,
+                ids=[f"{f}-tp{tp}{'-latent' if o else ''}" for f, tp, o in SINGLE_MIXER_RUNS])
+def single_mixer_four_ranks(request, tmp_path_factory):
+    from codegen.harness.examples import build_example
+    from codegen.harness.launcher import run_phases
+
+    family, tp, overrides = request.param
+    base = tmp_path_factory.mktemp(f"single-{family}")
+    overrides = {"num_key_value_heads": 4, **overrides}  # tp 4 divides every head count
+    pristine = build_example(family, base / "pristine", overrides=overrides)
+    directory = build_example(family, base / family, overrides=overrides)
+    _patch(directory)
+    return family, tp, run_phases(directory, pristine, ["codegen"], tp=tp, world=4, timeout=900,
+                                  options={"generate": 8, "decode_check": 8, "tp_grain_size": 8})["codegen"]
+
+
+def test_single_mixer_blocks_on_four_ranks_match_one_process_through_8_decode_steps(single_mixer_four_ranks):
+    """Logits of the prefill and of 8 decode steps with the cache (the whole mixer's conv and SSM states whole on
+    every rank, attention's KV cache per local head) within 1e-5 of one process; greedy tokens identical; one
+    all-reduce per split block (attention, MoE, dense MLP), none for the mixer kept whole, one for the LM head;
+    each rank 1/tp of the routed experts; routers and latent projections whole."""
+    from codegen.families import EXAMPLES
+
+    family, tp, ranks = single_mixer_four_ranks
+    whole = EXAMPLES[family].whole_mixers
+    for r in ranks:
+        assert (r["world_size"], r["tp_group_size"]) == (4, tp)
+        assert r["maxdiff"] <= TOL and r["decode_checked"] == 8 and r["decode_maxdiff"] <= TOL
+        assert r["same_tokens"] is True
+        reductions = r["attention_block_reductions"]
+        assert reductions.count(0) == whole and r["allreduce_per_attention_block"] == reductions
+        assert r["allreduce_per_moe_block"] == [1] * r["moe_blocks"]
+        assert r["allreduce_per_dense_mlp_block"] == [1] * r["dense_mlp_blocks"]
+        assert r["allreduce_lm_head"] == 1
+        assert r["allreduce_per_forward"] == sum(reductions) + r["moe_blocks"] + r["dense_mlp_blocks"] + 1
+        assert r["bytes"]["experts"] * tp == r["full_bytes"]["experts"] > 0
+        assert r["sharded_unregistered"] == [] and r["full_size_copies_alive"] == 0
+        assert r["gates_intact"] is True
+        assert not any("latent_proj" in name for name in r["sharded_shapes"])
+
+
 # ----------------------------------------------------------------------------------- the launcher's failures
 
 

@@ -33,8 +33,13 @@ def _blocks(family: str) -> tuple[int, int, int]:
     from codegen.harness.examples import shape
     from codegen.patch.config import moe_layers
 
+    from codegen.families import EXAMPLES
+
     config, table = shape(family, "tiny"), TABLE[family]
     layers, moe = config[table.layers.count], len(moe_layers(config, table))
+    if table.single_mixer_blocks:  # each block one mixer: attention (or a mixer kept whole), MoE or a dense MLP
+        dense = EXAMPLES[family].dense_mixers
+        return layers - moe - dense, moe, dense
     # an MoE block that is a whole decoder layer keeps a dense MLP beside its experts (Gemma 4): one more each
     beside = moe if set(table.block_reductions) & set(table.moe_block_attrs) else 0
     # sublayers (LongCat): each layer holds `sublayers` attention blocks, and as many dense MLPs per dense attribute

@@ -34,6 +34,8 @@ class Examples:
     tiny_legacy: dict = field(default_factory=dict)
     #: decoder layers of `tiny` whose token mixer the row keeps whole (`Family.whole_modules`): no all-reduce each
     whole_mixers: int = 0
+    #: single-mixer blocks of `tiny` that are a dense MLP (`Family.single_mixer_blocks`: each block is one unit)
+    dense_mixers: int = 0
 
 
 #: tiny sizes every example shares
@@ -347,4 +349,13 @@ EXAMPLES: dict[str, Examples] = {
     "longcat_flash": Examples(tiny=dict(_TINY, **_TINY_MLA, num_layers=2, num_hidden_layers=4, ffn_hidden_size=128,
                                         expert_ffn_hidden_size=32, n_routed_experts=8, moe_topk=2, zero_expert_num=2,
                                         head_dim=8)),
+    # single-mixer blocks as mk_tiny.py builds them (Mamba-2, MoE, attention, MoE: "ME*E"), with a dense MLP block
+    # before the last MoE ("ME*-E")
+    "nemotron_h": Examples(tiny=dict(_TINY, num_hidden_layers=5,
+                                     layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "moe"],
+                                     head_dim=16, intermediate_size=128, n_routed_experts=8, n_shared_experts=1,
+                                     moe_intermediate_size=32, moe_shared_expert_intermediate_size=64,
+                                     num_experts_per_tok=2, n_group=1, topk_group=1, mamba_num_heads=8,
+                                     mamba_head_dim=16, n_groups=2, ssm_state_size=16, chunk_size=4),
+                           whole_mixers=1, dense_mixers=1),
 }

@@ -41,7 +41,9 @@ ANCHOR_ROUTED_STATEMENT = "routed_statement"
 #: [E, H, I]; FUSED_GATE_UP_HALVES_COLS, transposed, gate_up [E, H, 2I] (gate columns then up columns), down
 #: [E, I, H]; FUSED_GATE_UP_INTERLEAVED_COLS, transposed, gate_up [E, H, 2I] with gate/up interleaved along the
 #: last dim (a rank keeps whole gate/up pairs), down [E, I, H], optional biases gate_up_bias [E, 2I] (split with
-#: the columns) and down_bias [E, H] (added inside every expert before the weighting: counted once over the ranks).
+#: the columns) and down_bias [E, H] (added inside every expert before the weighting: counted once over the ranks);
+#: FUSED_FLAT_ROWS, flat [E*I, H] gate, up and down; FUSED_UP_ROWS, non-gated (down(act(up x))), up [E, I, H], down
+#: [E, H, I], behind optional latent projections of the MoE block (`latent_in`, `latent_out`) kept whole.
 
 #: How the harness feeds a multimodal wrapper one tiny image (codegen.harness.worker.images builds it):
 #: flat patch rows [t*h*w, channels * temporal_patch * patch**2] and `image_grid_thw` (Qwen-VL, GLM-4V)
@@ -83,8 +85,14 @@ class FusedExperts:
     #: expert bias Parameters of the layout ("" = none); the rewriter requires every named one to detect it
     gate_up_bias: str = ""
     down_bias: str = ""
-    #: a separate up projection (FUSED_FLAT_ROWS: `gate_up` is then the gate alone; "" = packed with the gate)
+    #: a separate up projection (FUSED_FLAT_ROWS: `gate_up` is then the gate alone; "" = packed with the gate;
+    #: FUSED_UP_ROWS: the only input projection, `gate_up` is "")
     up: str = ""
+    #: MoE-block attributes projecting the experts' input down to a latent width and their output back up ("" =
+    #: none; an absent module or `nn.Identity` is fine): kept whole on every rank, the output one applied to this
+    #: rank's partial sum before the one reduction (linear; its bias, if any, kept on rank 0 only)
+    latent_in: str = ""
+    latent_out: str = ""
 
     @property
     def parameters(self) -> tuple[str, ...]:
@@ -105,6 +113,9 @@ class Legacy:
     experts_attr: str | None = None
 
 
+#: the value of a per-layer type list that marks an MoE layer
+SPARSE_LAYER = "sparse"
+
 @dataclass(frozen=True)
 class MoELayers:
     """Which decoder layers hold an MoE block: the config keys the family's decoder layer reads (`patch` refuses
@@ -123,19 +134,21 @@ class MoELayers:
     last_moe: str | None = None
     #: MoE when i % freq == 0 (== offset, where `offset` names one: Jamba's every second layer from the first)
     freq: str | None = None
-    #: a per-layer list of "sparse" (MoE) / "dense"
+    #: a per-layer list of "sparse" (MoE) / "dense" (or of `sparse_marks`); with `count` absent, its length counts
     types: str | None = None
+    #: a string of one character per layer (Nemotron-H's `hybrid_override_pattern`), read where `types` is absent
+    pattern: str | None = None
+    #: the values of `types` (or characters of `pattern`) that mark an MoE layer
+    sparse_marks: tuple[str, ...] = (SPARSE_LAYER,)
     #: a list of the MoE layer indices
     moe_list: str | None = None
     #: with `freq`: the remainder an MoE layer's index leaves
     offset: str | None = None
 
     def keys(self) -> tuple[str, ...]:
-        return tuple(getattr(self, f.name) for f in fields(self) if getattr(self, f.name))
+        """The config keys the rule reads (the marks are values, not keys)."""
+        return tuple(getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), str))
 
-
-#: the value of a per-layer type list that marks an MoE layer
-SPARSE_LAYER = "sparse"
 
 
 @dataclass(frozen=True)
@@ -361,6 +374,12 @@ class Family:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @property
+    def single_mixer_blocks(self) -> bool:
+        """Each decoder layer is ONE mixer under one attribute (Nemotron-H: Mamba-2, attention, MoE or a dense MLP),
+        named both an attention and an MoE-block attribute: a layer is one unit, one all-reduce at most."""
+        return bool(set(self.attention_attrs) & set(self.moe_block_attrs))
+
+    @property
     def releases(self) -> tuple[str, ...]:
         """The pinned transformers releases of `known_good` (the rest names remote code)."""
         return tuple(v for v in self.known_good if v[:1].isdigit())
@@ -409,7 +428,9 @@ class Family:
             "per_expert": {"gate": self.per_expert.gate, "up": self.per_expert.up, "down": self.per_expert.down},
             "fused": {"kind": fused.kind, "gate_up": fused.gate_up, "down": fused.down, "size_attr": fused.size_attr,
                       "gate_up_bias": fused.gate_up_bias, "down_bias": fused.down_bias,
-                      **({"up": fused.up} if fused.up else {})},
+                      **({"up": fused.up} if fused.up else {}),
+                      **({"latent_in": fused.latent_in} if fused.latent_in else {}),
+                      **({"latent_out": fused.latent_out} if fused.latent_out else {})},
             "shared": list(self.shared_experts),
             "routers": list(routers),
             "attention_replicated": list(self.attention_replicated),

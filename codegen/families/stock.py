@@ -111,13 +111,14 @@ STOCK_AUTOTP: dict[str, StockAutoTP] = {
     "longcat_flash": StockAutoTP(crash="RuntimeError: index 5 is out of bounds",
                                  why="its router's nn.Linear `classifier` is column-split: each rank scores 5 of the "
                                      "10 routed and zero-compute experts, then picks among all 10"),
+    "nemotron_h": StockAutoTP(crash="RuntimeError: split_with_sizes expects split_sizes to sum exactly to",
+                              why="the Mamba-2 in_proj is cut in contiguous rows, its split sizes stay global"),
 }
 
 #: what stock DeepSpeed 0.19.8 AutoTP does to the unpatched tiny checkpoint of a model type codegen does not patch
 #: (TP=2, CPU, transformers 5.24.0; issue 27's measurements): `patch`'s refusal quotes it, so it never sends a user
 #: to a path that crashes or is silently wrong. A type left out is not measured, and the refusal says so.
 UNSUPPORTED_STOCK: dict[str, str] = {
-    "nemotron_h": "crashes (`RuntimeError: split_with_sizes expects split_sizes to sum exactly to …`)",
     "qwen3_omni_moe": "runs but is silently wrong (max Δlogits 1.7e-2, its experts replicated)",
     "ernie4_5_vl_moe": "runs with every routed expert replicated on every rank",
 }

@@ -13,7 +13,8 @@ from codegen.families.kinds import ANCHOR_RETURNED_ROUTED, ANCHOR_RETURNED_SUM, 
     ANCHOR_SHARED_INPLACE_SUM, IMAGE_FLAT_PATCHES, IMAGE_PATCH_ROWS, IMAGE_POSITIONED_PATCHES, IMAGE_SIZED, \
     IMAGE_WHOLE, Alias, Family, FusedExperts, Legacy, LinearAttention, MoELayers, PerExpertMLP, QuantizedForm, \
     Wrapper, table
-from codegen.policy.runtime.base import FUSED_FLAT_ROWS, FUSED_GATE_UP_HALVES_COLS, FUSED_GATE_UP_INTERLEAVED_COLS
+from codegen.policy.runtime.base import FUSED_FLAT_ROWS, FUSED_GATE_UP_HALVES_COLS, FUSED_GATE_UP_INTERLEAVED_COLS, \
+    FUSED_UP_ROWS
 
 #: the DeepSeek MoE block: shared experts beside routed ones counted by `n_routed_experts`
 _DEEPSEEK_MOE = dict(shared_experts=("shared_experts",), num_experts_keys=("n_routed_experts",))
@@ -460,6 +461,24 @@ FAMILIES: dict[str, Family] = table(
         # (`mlps`) and the shortcut MoE (`mlp`), added after the second MLP
         attention_replicated=_MLA, dense_mlp_attrs=("mlps",), sublayers=2, layers=MoELayers(count="num_layers"),
         known_good=("4.57.1", "4.57.6", "5.0.0", "5.24.0"),
+    ),
+    Family(
+        model_type="nemotron_h", config_class="NemotronHConfig", moe_classes=("NemotronHMoE",),
+        # non-gated experts (relu2(up x), then down) behind the block's latent projections (nn.Identity without
+        # `moe_latent_size`), which stay whole; the shared expert and the dense MLP blocks are non-gated too
+        fused=FusedExperts(kind=FUSED_UP_ROWS, gate_up="", up="up_proj", down="down_proj",
+                           latent_in="fc1_latent_proj", latent_out="fc2_latent_proj"),
+        per_expert=PerExpertMLP(gate="", up="up_proj", down="down_proj"),
+        **_DEEPSEEK_MOE, more_positive_ints=(*_GROUPS, "head_dim", "intermediate_size",
+                                             "moe_shared_expert_intermediate_size", "mamba_num_heads"),
+        tp_divisible_keys=("num_attention_heads", "num_key_value_heads", "moe_intermediate_size",
+                           "moe_shared_expert_intermediate_size", "intermediate_size"),
+        # a block is one mixer (Mamba-2, attention, MoE or a dense MLP) under `mixer`; the Mamba-2 mixer (n_groups
+        # B/C groups, a gated norm over its groups) whole on every rank, its conv and SSM caches whole
+        moe_block_attrs=("mixer",), attention_attrs=("mixer",), whole_modules=("NemotronHMamba2Mixer",),
+        # `layers_block_type` (5.x), else the hub's `hybrid_override_pattern` ("M", "E", "*", "-" per block)
+        layers=MoELayers(types="layers_block_type", pattern="hybrid_override_pattern", sparse_marks=("moe", "E")),
+        known_good=("5.3.0", "5.24.0"),
     ),
 )
 

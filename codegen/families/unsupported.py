@@ -29,9 +29,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "lara_mini": Unsupported(NOT_YET, _GDN_AS_DATA),
     "qwen4_exp": Unsupported(NOT_YET, f"{_GDN_AS_DATA}; its hyper-connections, per-layer n-gram embeddings and "
                                       "attention indexer are not verified yet"),
-    "nemotron_h": Unsupported(NOT_YET, "its Mamba-2 mixer can stay whole (`whole_modules`), but its experts are "
-                                       "non-gated (up [E, I, H], act, down [E, H, I]) behind optional latent "
-                                       "projections: an expert layout kind not written yet"),
     **{t: Unsupported(NOT_YET, "attention with per-head short convolutions and nested projections: needs an "
                                "attention kind")
        # the model types their config.json files carry (the folders are inkling, inkling2, inkling2_loop)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from codegen.errors import BadInput
-from codegen.families import ALIASES, FAMILIES, KNOB, REFUSED, SPARSE_LAYER, UNSUPPORTED, UNSUPPORTED_STOCK, \
+from codegen.families import ALIASES, FAMILIES, KNOB, REFUSED, UNSUPPORTED, UNSUPPORTED_STOCK, \
     Family, family_named, normalise_model_type, sizes_of, supported_model_types
 from codegen.modeldir.layout import CONFIG
 
@@ -113,14 +113,18 @@ def _validate_sizes(config: dict, family: Family, directory: Path) -> None:
 def moe_layers(sizes: dict, family: Family) -> list[int]:
     """The decoder layers that hold an MoE block, by the family's layer-selection keys (codegen.families.MoELayers)."""
     rule = family.layers
-    count = sizes[rule.count]
 
     def value(key: str | None):
         return sizes.get(key) if key else None
 
     types = value(rule.types)
+    if not isinstance(types, list) and isinstance(value(rule.pattern), str):
+        types = list(value(rule.pattern))
+    count = sizes.get(rule.count)
+    if not isinstance(count, int) and isinstance(types, list):  # the per-layer list alone counts the layers
+        count = len(types)
     if isinstance(types, list):
-        return [i for i, kind in enumerate(types[:count]) if kind == SPARSE_LAYER]
+        return [i for i, kind in enumerate(types[:count]) if kind in rule.sparse_marks]
     listed = value(rule.moe_list)
     if isinstance(listed, list):
         return [i for i in range(count) if i in listed]

@@ -39,7 +39,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'hunyuan_v1_moe', 'moe_classes': ['HunYuanMoEV1Moe'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': ''}, 'shared': ['shared_mlp'], 'routers': ['gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': ['Yuan'], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'intermediate_size'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_hunyuan_v1_moe'
-RUNTIME_SHA256 = 'fe1b68e2a7e67fad473ade8766ac869f491d883faaed9818fee2a67dae297d84'
+RUNTIME_SHA256 = 'bac928c33466df4ddb267c5ba58fbb76fe479caf100aa26f285baa0edf602630'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -78,6 +78,9 @@ FUSED_GATE_UP_INTERLEAVED_COLS = "gate_up_interleaved_cols"
 #: gate [E*I, H], up [E*I, H] and down [E*I, H] as three flat 2-D Parameters (expert e's rows e*I .. (e+1)*I; down is
 #: applied as `x @ down_e`), the expert width an attribute the forward views them by
 FUSED_FLAT_ROWS = "flat_rows"
+#: non-gated experts (act(up) then down, no gate): up [E, I, H], down [E, H, I]; optional latent projections of the
+#: MoE block into and out of the experts' width, kept whole on every rank (codegen.policy.runtime.experts)
+FUSED_UP_ROWS = "up_rows"
 
 
 class PolicyError(RuntimeError):
@@ -552,8 +555,9 @@ def make_partial(layer, where, row_class):
 
 
 def shard_mlp(mlp, where, names, column_class, row_class):
-    """A per-expert (or shared-expert) MLP: gate/up column-parallel, down row-parallel without its reduction."""
-    for role in ("gate", "up"):
+    """A per-expert (or shared-expert) MLP: gate/up column-parallel, down row-parallel without its reduction
+    (a non-gated MLP, act(up) then down, names no gate)."""
+    for role in [r for r in ("gate", "up") if names[r]]:
         layer = getattr(mlp, names[role], None)
         if not isinstance(layer, column_class):
             raise PolicyError(f"{where}.{names[role]} is {type(layer).__name__}, not sharded by "
@@ -581,6 +585,7 @@ def shard_experts(block, name, rank, world, layout, column_class, row_class):
         module = getattr(block, shared, None)
         if module is not None:
             shard_mlp(module, f"{name}.{shared}", layout["per_expert"], column_class, row_class)
+    keep_latent_bias_once(block, layout["fused"].get("latent_out", ""), rank)
     # an MoE block that is a whole decoder layer: its attention and dense MLP reduce on their own, outside the sum
     own = tuple(layout.get("block_reductions", ()))
     for sub, module in block.named_modules():
@@ -751,9 +756,43 @@ def shard_flat_rows(experts, where, rank, world, names):
     return shard
 
 
+@torch.no_grad()
+def shard_up_rows(experts, where, rank, world, names):
+    """Non-gated experts, up [E, I, H] and down [E, H, I] (down(act(up x))): each rank keeps I/world of both.
+
+    The activation is elementwise per intermediate unit, so the split is exact and each rank's down product is its
+    partial sum of the expert's output. The Parameters stay the same registered objects; the full tensors are freed.
+    """
+    up, down = (_attribute(experts, names.get(role, "")) if names.get(role) else None for role in ("up", "down"))
+    if not all(isinstance(p, torch.nn.Parameter) and p.dim() == 3 for p in (up, down)):
+        raise PolicyError(f"{where} has no 3-D Parameters {names.get('up', '')!r} and {names.get('down', '')!r} to "
+                          "shard: its experts are not the fused layout the family table names")
+    inter = down.shape[-1]
+    if up.shape[1] != inter or inter % world:
+        raise PolicyError(f"{where} has {names['up']} {tuple(up.shape)} and {names['down']} {tuple(down.shape)}: "
+                          f"cannot split the expert size {inter} over {world} ranks")
+    shard = inter // world
+    lo, hi = rank * shard, (rank + 1) * shard
+    up.data = up.data[:, lo:hi].clone(memory_format=torch.contiguous_format)
+    down.data = down.data[:, :, lo:hi].clone(memory_format=torch.contiguous_format)
+    return shard
+
+
+@torch.no_grad()
+def keep_latent_bias_once(block, attr, rank):
+    """The MoE block's latent output projection (kept whole on every rank, like the routers) maps this rank's partial
+    sum of the routed experts back to the hidden width before the one reduction. It is linear, so the partial sums
+    stay partial, but its bias would be added once per rank: only rank 0 keeps it, the others hold zeros
+    (as keep_down_bias_once). Run after `check_replicated`, which sees it whole."""
+    bias = getattr(block._modules.get(attr), "bias", None) if attr else None
+    if isinstance(bias, torch.Tensor) and rank != 0:
+        bias.data = torch.zeros_like(bias.data)
+
+
 #: fused expert layouts (codegen.families FusedExperts.kind) and the function that shards each
 FUSED_SHARDERS = {FUSED_GATE_UP_ROWS: shard_gate_up_rows, FUSED_GATE_UP_HALVES_COLS: shard_gate_up_halves_cols,
-                  FUSED_GATE_UP_INTERLEAVED_COLS: shard_gate_up_interleaved_cols, FUSED_FLAT_ROWS: shard_flat_rows}
+                  FUSED_GATE_UP_INTERLEAVED_COLS: shard_gate_up_interleaved_cols, FUSED_FLAT_ROWS: shard_flat_rows,
+                  FUSED_UP_ROWS: shard_up_rows}
 
 
 def shard_fused_experts(experts, where, rank, world, fused):
@@ -1116,8 +1155,9 @@ def slice_head_linears(owners, dist, group, rank, world, column_class):
 
 
 def detach_replicated(model, blocks, layout):
-    """Take routers, replicated attention modules, the modules kept whole by class (a token mixer whose head split
-    is not exact) and a wrapper's vision tower and projector out of the model, so DeepSpeed cannot shard or wrap them.
+    """Take routers (and the experts' latent projections), replicated attention modules, the modules kept whole by
+    class (a token mixer whose head split is not exact) and a wrapper's vision tower and projector out of the model,
+    so DeepSpeed cannot shard or wrap them.
 
     DeepSpeed's AutoTP keeps a few names whole by its own rules and wraps any `nn.Linear` (subclasses too);
     a module that is not in the tree while it shards is left alone whatever its name or type.
@@ -1129,6 +1169,11 @@ def detach_replicated(model, blocks, layout):
             if not isinstance(block._modules.get(attr), torch.nn.Module):
                 raise PolicyError(f"{name} has no router {attr!r} (named by the family table): re-run patch")
             kept.append(detach_child(block, attr, f"{name}.{attr}"))
+        # latent projections into and out of the experts' width: whole on every rank where the block has them
+        fused = layout.get("fused", {})
+        for attr in [fused.get(k, "") for k in ("latent_in", "latent_out")]:
+            if attr and isinstance(block._modules.get(attr), torch.nn.Module):
+                kept.append(detach_child(block, attr, f"{name}.{attr}"))
     wanted = set(layout["attention_replicated"]) | set(layout.get("replicated", ()))
     whole = set(layout.get("whole_modules", ()))
     for name, parent in list(model.named_modules()):
@@ -1530,11 +1575,11 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
         slice_full_width_norms(norm_owners, dist, group, rank, world, column)
         slice_head_linears(linear_owners, dist, group, rank, world, column)
         shard_linear_attention(mixers, layout, rank, world, reducer)
+    check_replicated(kept)  # before the experts: a latent output projection's bias then counts once over the group
     if coalesce and world > 1:
         for name, block in blocks:
             shard_experts(block, name, rank, world, layout, column, row)
             setattr(block, REDUCER_ATTR, reducer)
-    check_replicated(kept)
     if world > 1:
         keep_in_lockstep(engine.module, dist, group, _device_of(engine.module))
     say(dist.get_rank(), notes)

@@ -17,8 +17,8 @@ import torch
 
 from codegen.harness.worker.counting import ALL_REDUCE_OPS, CollectiveCounter, per_block_counts, tally
 from codegen.harness.worker.model_figures import (attention_reductions, cache_of, decoder_layers, gate_types,
-                                                  gates_intact, layer_attention_blocks, layer_dense_mlps, layer_mlp,
-                                                  moe_blocks, param_bytes, sharding_figures)
+                                                  gates_intact, layer_dense_mlps, layer_units, moe_blocks,
+                                                  param_bytes, sharding_figures, sublayers)
 from codegen.harness.worker.reference import Reference, greedy
 from codegen.harness.worker.run import Run, dry_run, guarded
 from codegen.policy.runtime.base import REDUCE_HELPER, REDUCER_ATTR
@@ -46,10 +46,11 @@ def measure(phase: str, model, run: Run, opts: dict, ids, ref: Reference) -> dic
     layers = decoder_layers(model)
     blocks = moe_blocks(model)
     block_ids = {id(b) for b in blocks}
+    units = [layer_units(layer, block_ids) for layer in layers]
     groups = {
-        "attention": [a for layer in layers for a in layer_attention_blocks(layer)],
+        "attention": [a for attention, _ in units for a in sublayers(attention)],
         "moe": blocks,
-        "dense_mlp": [mlp for layer in layers for mlp in [layer_mlp(layer)] if id(mlp) not in block_ids]
+        "dense_mlp": [mlp for _, mlp in units if mlp is not None and id(mlp) not in block_ids]
         + [mlp for layer in layers for mlp in layer_dense_mlps(layer)],
         "lm_head": [m for m in [model.get_output_embeddings()] if m is not None],
     }

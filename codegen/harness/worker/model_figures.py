@@ -28,6 +28,8 @@ DENSE_MLP_ATTRS = tuple(dict.fromkeys(a for family in FAMILIES.values() for a in
 WRAPPER_PARTS = frozenset(a for family in FAMILIES.values() if family.wrapper for a in family.wrapper.replicated)
 #: classes of the token mixers families keep whole on every rank (`Family.whole_modules`): they add no reduction
 WHOLE_CLASSES = frozenset(c for family in FAMILIES.values() for c in family.whole_modules)
+#: the dense MLPs' down projections, every family: a single-mixer block holding one is a dense MLP
+DOWN_NAMES = tuple(dict.fromkeys(family.per_expert.down for family in FAMILIES.values()))
 
 
 def moe_blocks(model) -> list:
@@ -100,21 +102,27 @@ def sublayers(block) -> list:
     return [] if block is None else [block]
 
 
-def layer_attention_blocks(layer) -> list:
-    """The decoder layer's attention blocks: its attention, or each attention sublayer."""
-    return sublayers(layer_attention(layer))
-
-
 def layer_dense_mlps(layer) -> list:
     """The dense MLP sublayers a decoder layer holds beside its MoE block (the table's `dense_mlp_attrs`)."""
     return [b for attr in DENSE_MLP_ATTRS for b in sublayers(getattr(layer, attr, None))]
+
+
+def layer_units(layer, block_ids: set) -> tuple:
+    """(attention block, MLP or MoE block) of a decoder layer. A layer that is ONE mixer under one attribute
+    (`Family.single_mixer_blocks`: Nemotron-H) holds one or the other: its MoE block (`block_ids`) or a dense MLP
+    (it holds a down projection of the table's names) as the MLP, any other mixer as the attention."""
+    attention, mlp = layer_attention(layer), layer_mlp(layer)
+    if attention is None or attention is not mlp:
+        return attention, mlp
+    if id(mlp) in block_ids or any(isinstance(mlp._modules.get(down), torch.nn.Module) for down in DOWN_NAMES):
+        return None, mlp
+    return attention, None
 
 
 def decoder_layers(model) -> list:
     """The text decoder's layers (a vision tower's blocks, which also hold attention and an MLP, are not)."""
     return [m for name, m in model.named_modules() if layer_attention(m) is not None and layer_mlp(m) is not None
             and not WRAPPER_PARTS & set(name.split("."))]
-
 
 
 def cache_of(output):

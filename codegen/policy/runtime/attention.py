@@ -263,8 +263,9 @@ def slice_head_linears(owners, dist, group, rank, world, column_class):
 
 
 def detach_replicated(model, blocks, layout):
-    """Take routers, replicated attention modules, the modules kept whole by class (a token mixer whose head split
-    is not exact) and a wrapper's vision tower and projector out of the model, so DeepSpeed cannot shard or wrap them.
+    """Take routers (and the experts' latent projections), replicated attention modules, the modules kept whole by
+    class (a token mixer whose head split is not exact) and a wrapper's vision tower and projector out of the model,
+    so DeepSpeed cannot shard or wrap them.
 
     DeepSpeed's AutoTP keeps a few names whole by its own rules and wraps any `nn.Linear` (subclasses too);
     a module that is not in the tree while it shards is left alone whatever its name or type.
@@ -276,6 +277,11 @@ def detach_replicated(model, blocks, layout):
             if not isinstance(block._modules.get(attr), torch.nn.Module):
                 raise PolicyError(f"{name} has no router {attr!r} (named by the family table): re-run patch")
             kept.append(detach_child(block, attr, f"{name}.{attr}"))
+        # latent projections into and out of the experts' width: whole on every rank where the block has them
+        fused = layout.get("fused", {})
+        for attr in [fused.get(k, "") for k in ("latent_in", "latent_out")]:
+            if attr and isinstance(block._modules.get(attr), torch.nn.Module):
+                kept.append(detach_child(block, attr, f"{name}.{attr}"))
     wanted = set(layout["attention_replicated"]) | set(layout.get("replicated", ()))
     whole = set(layout.get("whole_modules", ()))
     for name, parent in list(model.named_modules()):

@@ -33,6 +33,9 @@ FUSED_GATE_UP_INTERLEAVED_COLS = "gate_up_interleaved_cols"
 #: gate [E*I, H], up [E*I, H] and down [E*I, H] as three flat 2-D Parameters (expert e's rows e*I .. (e+1)*I; down is
 #: applied as `x @ down_e`), the expert width an attribute the forward views them by
 FUSED_FLAT_ROWS = "flat_rows"
+#: non-gated experts (act(up) then down, no gate): up [E, I, H], down [E, H, I]; optional latent projections of the
+#: MoE block into and out of the experts' width, kept whole on every rank (codegen.policy.runtime.experts)
+FUSED_UP_ROWS = "up_rows"
 
 
 class PolicyError(RuntimeError):

@@ -118,11 +118,11 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
         slice_full_width_norms(norm_owners, dist, group, rank, world, column)
         slice_head_linears(linear_owners, dist, group, rank, world, column)
         shard_linear_attention(mixers, layout, rank, world, reducer)
+    check_replicated(kept)  # before the experts: a latent output projection's bias then counts once over the group
     if coalesce and world > 1:
         for name, block in blocks:
             shard_experts(block, name, rank, world, layout, column, row)
             setattr(block, REDUCER_ATTR, reducer)
-    check_replicated(kept)
     if world > 1:
         keep_in_lockstep(engine.module, dist, group, _device_of(engine.module))
     say(dist.get_rank(), notes)

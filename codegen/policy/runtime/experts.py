@@ -9,7 +9,8 @@ Parameters stay the same registered objects and the full tensors are freed.
 import torch
 
 from codegen.policy.runtime.base import (FUSED_FLAT_ROWS, FUSED_GATE_UP_HALVES_COLS, FUSED_GATE_UP_INTERLEAVED_COLS,
-                                         FUSED_GATE_UP_ROWS, SHARDED_FLAG, SUPPORTED_DEEPSPEED, PolicyError)
+                                         FUSED_GATE_UP_ROWS, FUSED_UP_ROWS, SHARDED_FLAG, SUPPORTED_DEEPSPEED,
+                                         PolicyError)
 
 #: attributes of DeepSpeed's row-parallel layer that the partial-sum subclass reads
 ROW_LAYER_ATTRS = ("weight", "bias", "tp_index")
@@ -54,8 +55,9 @@ def make_partial(layer, where, row_class):
 
 
 def shard_mlp(mlp, where, names, column_class, row_class):
-    """A per-expert (or shared-expert) MLP: gate/up column-parallel, down row-parallel without its reduction."""
-    for role in ("gate", "up"):
+    """A per-expert (or shared-expert) MLP: gate/up column-parallel, down row-parallel without its reduction
+    (a non-gated MLP, act(up) then down, names no gate)."""
+    for role in [r for r in ("gate", "up") if names[r]]:
         layer = getattr(mlp, names[role], None)
         if not isinstance(layer, column_class):
             raise PolicyError(f"{where}.{names[role]} is {type(layer).__name__}, not sharded by "
@@ -83,6 +85,7 @@ def shard_experts(block, name, rank, world, layout, column_class, row_class):
         module = getattr(block, shared, None)
         if module is not None:
             shard_mlp(module, f"{name}.{shared}", layout["per_expert"], column_class, row_class)
+    keep_latent_bias_once(block, layout["fused"].get("latent_out", ""), rank)
     # an MoE block that is a whole decoder layer: its attention and dense MLP reduce on their own, outside the sum
     own = tuple(layout.get("block_reductions", ()))
     for sub, module in block.named_modules():
@@ -253,9 +256,43 @@ def shard_flat_rows(experts, where, rank, world, names):
     return shard
 
 
+@torch.no_grad()
+def shard_up_rows(experts, where, rank, world, names):
+    """Non-gated experts, up [E, I, H] and down [E, H, I] (down(act(up x))): each rank keeps I/world of both.
+
+    The activation is elementwise per intermediate unit, so the split is exact and each rank's down product is its
+    partial sum of the expert's output. The Parameters stay the same registered objects; the full tensors are freed.
+    """
+    up, down = (_attribute(experts, names.get(role, "")) if names.get(role) else None for role in ("up", "down"))
+    if not all(isinstance(p, torch.nn.Parameter) and p.dim() == 3 for p in (up, down)):
+        raise PolicyError(f"{where} has no 3-D Parameters {names.get('up', '')!r} and {names.get('down', '')!r} to "
+                          "shard: its experts are not the fused layout the family table names")
+    inter = down.shape[-1]
+    if up.shape[1] != inter or inter % world:
+        raise PolicyError(f"{where} has {names['up']} {tuple(up.shape)} and {names['down']} {tuple(down.shape)}: "
+                          f"cannot split the expert size {inter} over {world} ranks")
+    shard = inter // world
+    lo, hi = rank * shard, (rank + 1) * shard
+    up.data = up.data[:, lo:hi].clone(memory_format=torch.contiguous_format)
+    down.data = down.data[:, :, lo:hi].clone(memory_format=torch.contiguous_format)
+    return shard
+
+
+@torch.no_grad()
+def keep_latent_bias_once(block, attr, rank):
+    """The MoE block's latent output projection (kept whole on every rank, like the routers) maps this rank's partial
+    sum of the routed experts back to the hidden width before the one reduction. It is linear, so the partial sums
+    stay partial, but its bias would be added once per rank: only rank 0 keeps it, the others hold zeros
+    (as keep_down_bias_once). Run after `check_replicated`, which sees it whole."""
+    bias = getattr(block._modules.get(attr), "bias", None) if attr else None
+    if isinstance(bias, torch.Tensor) and rank != 0:
+        bias.data = torch.zeros_like(bias.data)
+
+
 #: fused expert layouts (codegen.families FusedExperts.kind) and the function that shards each
 FUSED_SHARDERS = {FUSED_GATE_UP_ROWS: shard_gate_up_rows, FUSED_GATE_UP_HALVES_COLS: shard_gate_up_halves_cols,
-                  FUSED_GATE_UP_INTERLEAVED_COLS: shard_gate_up_interleaved_cols, FUSED_FLAT_ROWS: shard_flat_rows}
+                  FUSED_GATE_UP_INTERLEAVED_COLS: shard_gate_up_interleaved_cols, FUSED_FLAT_ROWS: shard_flat_rows,
+                  FUSED_UP_ROWS: shard_up_rows}
 
 
 def shard_fused_experts(experts, where, rank, world, fused):
