@@ -71,6 +71,7 @@ STOCK_AUTOTP: dict[str, StockAutoTP] = {
     "step3p7": StockAutoTP(**_RUNS_5, image_allreduces=7),
     "qwen3_vl_moe": StockAutoTP(**_RUNS_3, image_crash=_SHAPES_DIFFER),
     "glm4v_moe": StockAutoTP(**_RUNS_5, image_crash=_SHAPES_DIFFER),
+    "ernie4_5_vl_moe": StockAutoTP(**_RUNS_5),
     "kimi_k25": StockAutoTP(**_RUNS_5, image_crash=_SHAPES_DIFFER),
     "qwen3_next": StockAutoTP(crash="RuntimeError: shape",
                               why="in_proj_qkvz cut in row halves across its per-key-head q/k/v/z groups"),
@@ -115,5 +116,4 @@ UNSUPPORTED_STOCK: dict[str, str] = {
     "nemotron_h": "crashes (`RuntimeError: split_with_sizes expects split_sizes to sum exactly to …`)",
     "longcat_flash": "crashes (`IndexError: index 5 is out of bounds`)",
     "qwen3_omni_moe": "runs but is silently wrong (max Δlogits 1.7e-2, its experts replicated)",
-    "ernie4_5_vl_moe": "runs with every routed expert replicated on every rank",
 }

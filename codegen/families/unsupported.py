@@ -45,9 +45,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "qwen3_omni_moe": Unsupported(NOT_YET, "the wrapper has no forward: its text model is `thinker`, beside a second "
                                            "MoE (the talker, a shared expert) and code2wav; needs a wrapper kind that "
                                            "runs the thinker and keeps the talker and code2wav whole"),
-    "ernie4_5_vl_moe": Unsupported(NOT_YET, "two routed expert sets per MoE block (`text_moe`, `vision_moe`, each with "
-                                            "its own router) beside a shared expert: needs an expert layout kind for "
-                                            "several expert sets"),
     "longcat_flash": Unsupported(NOT_YET, "zero-compute identity experts add the token itself inside the routed "
                                           "sum on every rank: needs an expert kind that adds them on one rank only "
                                           "(not written yet); its layers hold two attention and two MLP sublayers"),
