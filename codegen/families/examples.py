@@ -209,15 +209,6 @@ EXAMPLES: dict[str, Examples] = {
         wrapper=dict(image_token_id=250, image_start_token_id=251, image_end_token_id=252, video_token_id=253,
                      video_start_token_id=254, video_end_token_id=255),
     ),
-    "ernie4_5_vl_moe": Examples(
-        # [text, vision] expert widths; the first layer dense
-        tiny=dict(_TINY, head_dim=16, intermediate_size=128, moe_intermediate_size=[32, 16], moe_num_experts=8, moe_k=2,
-                  moe_num_shared_experts=1, mlp_layer_types=["dense", "sparse"], rope_parameters={
-                      "rope_type": "default", "rope_theta": 500000.0, "mrope_section": [3, 3, 2]}),
-        vision=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14),
-        wrapper=dict(image_token_id=250, image_start_token_id=251, image_end_token_id=252, video_token_id=253,
-                     video_start_token_id=254, video_end_token_id=255),
-    ),
     "kimi_k25": Examples(
         # q_lora_rank set (as in Kimi K2.5): with None, transformers 5.24 saves the text q_proj as
         # `self_wqkv` (its vision `wqkv` rename) and cannot load the dir back
@@ -226,6 +217,15 @@ EXAMPLES: dict[str, Examples] = {
         vision=dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
                     pos_emb_height=4, pos_emb_width=4, pos_emb_time=2),
         wrapper=dict(_TINY_IMAGE_TOKENS, projection_hidden_size=32),
+    ),
+    "ernie4_5_vl_moe": Examples(
+        # [text, vision] expert widths; the first layer dense
+        tiny=dict(_TINY, head_dim=16, intermediate_size=128, moe_intermediate_size=[32, 16], moe_num_experts=8, moe_k=2,
+                  moe_num_shared_experts=1, mlp_layer_types=["dense", "sparse"], rope_parameters={
+                      "rope_type": "default", "rope_theta": 500000.0, "mrope_section": [3, 3, 2]}),
+        vision=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14),
+        wrapper=dict(image_token_id=250, image_start_token_id=251, image_end_token_id=252, video_token_id=253,
+                     video_start_token_id=254, video_end_token_id=255),
     ),
     "qwen3_next": Examples(tiny=dict(_TINY, **_TINY_QWEN_HYBRID, intermediate_size=128)),
     "qwen3_5_moe": Examples(
