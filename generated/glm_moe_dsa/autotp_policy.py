@@ -42,7 +42,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'glm_moe_dsa', 'moe_classes': ['GlmMoeDsaMoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': ''}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': ['q_a_proj', 'kv_a_proj_with_mqa', 'indexer'], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_glm_moe_dsa'
-RUNTIME_SHA256 = 'c63731b31655a2dd465d22b509ba498c8704f69a43accf99d3f3a94380b079ec'
+RUNTIME_SHA256 = '6b2608f138ca8a327db34ab63219ebfad179b1eddfc087e1cbfdb174efbf784a'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -1586,7 +1586,7 @@ def check_sizes(config, tp_size, layout):
     sizes = size_config(config)
     for key in layout["tp_divisible"]:
         for where, value in _size_values(sizes, key):
-            # a list: one size per expert set (ERNIE-VL's [text, vision] expert widths), each split alike
+            # a list: one size per expert set (a text and a vision expert width), each split alike
             values = value if isinstance(value, (list, tuple)) else [value]
             if any(isinstance(v, int) and v % tp_size for v in values):
                 raise PolicyError(f"tp_size {tp_size} does not divide {key} = {value}{where}: pick a tp_size "

@@ -193,7 +193,7 @@ def check_sizes(config, tp_size, layout):
     sizes = size_config(config)
     for key in layout["tp_divisible"]:
         for where, value in _size_values(sizes, key):
-            # a list: one size per expert set (ERNIE-VL's [text, vision] expert widths), each split alike
+            # a list: one size per expert set (a text and a vision expert width), each split alike
             values = value if isinstance(value, (list, tuple)) else [value]
             if any(isinstance(v, int) and v % tp_size for v in values):
                 raise PolicyError(f"tp_size {tp_size} does not divide {key} = {value}{where}: pick a tp_size "
