@@ -40,6 +40,11 @@ def _code(names) -> str:
 
 
 def _experts(family: Family) -> str:
+    return _expert_layout(family) + (f", {len(family.expert_sets)} sets ({_code(family.expert_sets)})"
+                                     if family.expert_sets else "")
+
+
+def _expert_layout(family: Family) -> str:
     new = family.names(legacy=False)[0].kind
     if not family.first_release.startswith("4"):
         return f"fused `{new}`"

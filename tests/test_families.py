@@ -107,3 +107,35 @@ def test_moe_layers_by_a_per_layer_list_or_a_pattern_string_without_a_layer_coun
     assert moe_layers({"block_pattern": "ME*-E", "num_hidden_layers": 5}, row) == [1, 4]
     assert moe_layers({"block_pattern": "ME*-E", "num_hidden_layers": 3}, row) == [1]
     assert row.layers.keys() == ("num_hidden_layers", "block_kinds", "block_pattern")
+
+
+def test_several_expert_sets_are_a_row_of_data():
+    """`expert_sets`: dotted paths to each routed expert set; the anchors follow the block's children holding them,
+    the policy gets the paths only where a row names some (the other policies stay byte-identical)."""
+    row = Family(model_type="new_moe", config_class="NewMoeConfig", moe_classes=("NewMoeBlock",),
+                 num_experts_keys=("num_experts",), shared_experts=("shared_experts",),
+                 expert_sets=("text_moe.experts", "vision_moe.experts"), routers=("text_moe.gate", "vision_moe.gate"),
+                 per_set_sizes=("moe_intermediate_size",))
+    assert row.expert_paths() == row.expert_paths(legacy=True) == ("text_moe.experts", "vision_moe.experts")
+    assert row.expert_modules == ("text_moe", "vision_moe")
+    layout = row.policy_layout()
+    assert layout["expert_sets"] == ["text_moe.experts", "vision_moe.experts"]
+    assert layout["routers"] == ["text_moe.gate", "vision_moe.gate"]
+    plain = FAMILIES["ernie4_5_moe"]
+    assert plain.expert_paths() == ("experts",) and "expert_sets" not in plain.policy_layout()
+
+
+def test_a_size_given_per_expert_set_is_a_list_of_positive_ints(tmp_path):
+    from codegen.errors import BadInput
+    from codegen.patch.config import _validate_sizes, check_tp_divides
+
+    family = FAMILIES["ernie4_5_vl_moe"]
+    config = {"text_config": {**EXAMPLES["ernie4_5_vl_moe"].tiny}}
+    _validate_sizes(config, family, tmp_path)
+    check_tp_divides(config, family, 2, tmp_path)
+    for bad in ([32, 0], [32], 32.0):
+        with pytest.raises(BadInput, match="moe_intermediate_size must be a positive integer"):
+            _validate_sizes({"text_config": {**config["text_config"], "moe_intermediate_size": bad}}, family, tmp_path)
+    odd = {"text_config": {**config["text_config"], "moe_intermediate_size": [32, 7]}}
+    with pytest.raises(BadInput, match=r"--tp 2 does not divide moe_intermediate_size = \[32, 7\]"):
+        check_tp_divides(odd, family, 2, tmp_path)

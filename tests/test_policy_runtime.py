@@ -307,6 +307,94 @@ def test_policy_on_two_simulated_ranks_sums_to_the_unsharded_output(with_fake_de
     torch.testing.assert_close(partial[0] + partial[1], expected)
 
 
+#: several routed expert sets per MoE block (`Family.expert_sets`): a text and a vision set, each beside its own router
+TWO_SETS = {**TOY, "moe_classes": ["ToyTwoSetsMoe"], "expert_sets": ["text.bank", "vision.bank"],
+            "routers": ["text.router", "vision.router"], "attention_replicated": []}
+
+
+class ToySet(nn.Module):
+    """One expert set under its own router (ERNIE-VL's `text_moe` / `vision_moe`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = Router(H, E, bias=False)
+        self.bank = FusedBank(TWO_SETS["fused"])
+
+    def forward(self, x):
+        return self.bank(x, torch.softmax(self.router(x), dim=-1))
+
+
+class ToyTwoSetsMoe(nn.Module):
+    """Text rows to one set, image rows to the other, a shared expert on all: reduced once, after the sum."""
+
+    def __init__(self):
+        super().__init__()
+        self.text, self.vision = ToySet(), ToySet()
+        self.common = MLP(TWO_SETS["per_expert"])
+
+    def forward(self, x, image_rows):
+        routed = torch.zeros_like(x)
+        routed[~image_rows] = self.text(x[~image_rows])
+        routed[image_rows] = self.vision(x[image_rows])
+        out = routed + self.common(x)
+        reducer = getattr(self, rt.REDUCER_ATTR, None)
+        return out if reducer is None else reducer(out)
+
+
+class ToyTwoSetsModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.config = types.SimpleNamespace(heads=4, ffn=8, codegen_knob=True)
+        self.attn = ToyAttention()
+        self.moe = ToyTwoSetsMoe()
+
+
+ToyTwoSetsModel.__module__ = _MODULE.__name__
+
+
+def test_several_expert_sets_are_all_sharded_under_one_reduction(with_fake_deepspeed):
+    """Both sets split along their intermediate dim, both routers whole and in place; the two ranks' partial outputs
+    (text rows, image rows and the shared expert) add up to the unsharded block's, with one reduction per rank."""
+    torch.manual_seed(0)
+    full = ToyTwoSetsModel().eval()
+    x, image_rows = torch.randn(6, H), torch.tensor([False, True, True, False, True, False])
+    with torch.no_grad():
+        expected = full.moe(x, image_rows)
+    partial = []
+    for rank in (0, 1):
+        _, dist = with_fake_deepspeed(world=2, rank=rank)
+        model = copy.deepcopy(full)
+        routers = [model.moe.text.router, model.moe.vision.router]
+        engine = rt.shard_model(model, 2, None, {}, TWO_SETS, "codegen_knob")
+        moe = engine.module.moe
+        assert [moe.text.router, moe.vision.router] == routers
+        assert all(r.weight.shape == (E, H) for r in routers)
+        for expert_set in (moe.text.bank, moe.vision.bank):
+            assert expert_set.w13.shape == (E, I, H) and expert_set.w2.shape == (E, H, I // 2)
+            assert expert_set.inter == I // 2
+        with torch.no_grad():
+            partial.append(moe(x, image_rows))
+        assert [c[0] for c in dist.calls] == ["inference_all_reduce"]
+    torch.testing.assert_close(partial[0] + partial[1], expected)
+
+
+def test_a_missing_expert_set_router_is_refused(with_fake_deepspeed):
+    with_fake_deepspeed(world=2, rank=0)
+    model = ToyTwoSetsModel()
+    del model.moe.vision.router
+    with pytest.raises(rt.PolicyError) as info:
+        rt.shard_model(model, 2, None, {}, TWO_SETS, "codegen_knob")
+    assert _one_line(info) == "moe has no router 'vision.router' (named by the family table): re-run patch"
+
+
+def test_per_set_sizes_each_divide_by_tp():
+    layout = {**TWO_SETS, "tp_divisible": ["ffn"]}
+    rt.check_sizes(types.SimpleNamespace(ffn=[8, 4]), 4, layout)
+    with pytest.raises(rt.PolicyError) as info:
+        rt.check_sizes(types.SimpleNamespace(ffn=[8, 6]), 4, layout)
+    assert _one_line(info) == "tp_size 4 does not divide ffn = [8, 6]: pick a tp_size that divides it"
+
+
 def test_fused_shards_concatenate_to_the_full_tensors():
     names = TOY["fused"]
     full = FusedBank(names)

@@ -331,23 +331,31 @@ def _major(entry: Entry) -> int | None:
 
 
 def _defines_fused_layout(tree: ast.Module, family) -> bool:
-    """Independently of the rewriter: the class the MoE block builds as its experts assigns every Parameter
-    of the family's fused layout."""
-    moe = _class(tree, family.moe_classes)
-    built = {
-        n.value.func.id for n in ast.walk(moe)
-        if isinstance(n, ast.Assign) and [ast.unparse(t) for t in n.targets] == [f"self.{family.experts_attr}"]
-        and isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Name)
-    }
-    for cls in tree.body:
-        if isinstance(cls, ast.ClassDef) and cls.name in built:
-            params = {
-                t.attr for n in ast.walk(cls) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
-                and ast.unparse(n.value.func).endswith("Parameter") for t in n.targets if isinstance(t, ast.Attribute)
-            }
-            if set(family.fused.parameters) <= params:
-                return True
-    return False
+    """Independently of the rewriter: the class the MoE block builds as its experts (one module down per step of an
+    expert set's path, `text_moe.experts`) assigns every Parameter of the family's fused layout, for every set."""
+    classes = {cls.name: cls for cls in tree.body if isinstance(cls, ast.ClassDef)}
+
+    def built(holder: ast.ClassDef, attr: str) -> set[str]:
+        return {
+            n.value.func.id for n in ast.walk(holder)
+            if isinstance(n, ast.Assign) and [ast.unparse(t) for t in n.targets] == [f"self.{attr}"]
+            and isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Name)
+        }
+
+    def fused(cls: ast.ClassDef) -> bool:
+        params = {
+            t.attr for n in ast.walk(cls) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
+            and ast.unparse(n.value.func).endswith("Parameter") for t in n.targets if isinstance(t, ast.Attribute)
+        }
+        return set(family.fused.parameters) <= params
+
+    for path in family.expert_paths():
+        holders = [_class(tree, family.moe_classes)]
+        for step in path.split("."):
+            holders = [classes[name] for holder in holders for name in built(holder, step) if name in classes]
+        if not any(fused(cls) for cls in holders):
+            return False
+    return True
 
 
 @pytest.mark.parametrize("entry", ENTRIES)

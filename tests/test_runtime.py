@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from codegen.cli import main as codegen_main
+from codegen.families import FAMILIES as TABLE
 
 pytestmark = pytest.mark.runtime
 
@@ -217,6 +218,45 @@ def test_single_mixer_blocks_on_four_ranks_match_one_process_through_8_decode_st
         assert r["sharded_unregistered"] == [] and r["full_size_copies_alive"] == 0
         assert r["gates_intact"] is True
         assert not any("latent_proj" in name for name in r["sharded_shapes"])
+
+
+# -------------------------------------------------------- several expert sets per MoE block on 4 ranks, tp 4
+
+#: a family whose MoE block holds several routed expert sets (`Family.expert_sets`), if the installed transformers
+#: ships one (ERNIE-4.5-VL from 5.0): its tiny example with 4 kv heads, so tp 4 divides every head count
+EXPERT_SETS_RUNS = [name for name, family in TABLE.items() if family.expert_sets][:1]
+
+
+@pytest.fixture(scope="module", params=EXPERT_SETS_RUNS)
+def expert_sets_four_ranks(request, tmp_path_factory):
+    from codegen.harness.examples import build_example, installed_families
+    from codegen.harness.launcher import run_phases
+
+    family = request.param
+    if family not in installed_families():
+        pytest.skip(f"{family} is not in the installed transformers")
+    base = tmp_path_factory.mktemp(f"sets-{family}")
+    pristine = build_example(family, base / "pristine", overrides={"num_key_value_heads": 4})
+    directory = build_example(family, base / family, overrides={"num_key_value_heads": 4})
+    _patch(directory)
+    return run_phases(directory, pristine, ["codegen"], tp=4, world=4, timeout=900,
+                      options={"generate": 8, "decode_check": 8, "tp_grain_size": 8})["codegen"]
+
+
+def test_several_expert_sets_on_four_ranks_match_one_process_with_an_image(expert_sets_four_ranks):
+    """Every expert set 1/4 per rank, its router whole; one all-reduce per MoE layer covering them all, with the
+    shared expert; logits of the prefill, 8 cached decode steps and a prompt holding an image (whose tokens run the
+    vision set) within 1e-5 of one process; greedy tokens identical."""
+    for r in expert_sets_four_ranks:
+        assert (r["world_size"], r["tp_group_size"]) == (4, 4)
+        assert r["maxdiff"] <= TOL and r["decode_checked"] == 8 and r["decode_maxdiff"] <= TOL
+        assert r["same_tokens"] is True and r["gates_intact"] is True
+        assert r["allreduce_per_moe_block"] == [1] and r["allreduce_lm_head"] == 1
+        assert r["bytes"]["experts"] * 4 == r["full_bytes"]["experts"] > 0
+        assert r["sharded_unregistered"] == [] and r["full_size_copies_alive"] == 0
+        image = r["image"]
+        assert image["allreduce_per_moe_block"] == [1] and image["maxdiff"] <= TOL
+        assert image["allreduce_per_forward"] == r["allreduce_per_forward"]
 
 
 # ----------------------------------------------------------------------------------- the launcher's failures

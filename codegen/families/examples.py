@@ -220,6 +220,15 @@ EXAMPLES: dict[str, Examples] = {
                     pos_emb_height=4, pos_emb_width=4, pos_emb_time=2),
         wrapper=dict(_TINY_IMAGE_TOKENS, projection_hidden_size=32),
     ),
+    "ernie4_5_vl_moe": Examples(
+        # [text, vision] expert widths; the first layer dense
+        tiny=dict(_TINY, head_dim=16, intermediate_size=128, moe_intermediate_size=[32, 16], moe_num_experts=8, moe_k=2,
+                  moe_num_shared_experts=1, mlp_layer_types=["dense", "sparse"], rope_parameters={
+                      "rope_type": "default", "rope_theta": 500000.0, "mrope_section": [3, 3, 2]}),
+        vision=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14),
+        wrapper=dict(image_token_id=250, image_start_token_id=251, image_end_token_id=252, video_token_id=253,
+                     video_start_token_id=254, video_end_token_id=255),
+    ),
     "qwen3_next": Examples(tiny=dict(_TINY, **_TINY_QWEN_HYBRID, intermediate_size=128)),
     "qwen3_5_moe": Examples(
         tiny=dict(_TINY, **_TINY_QWEN_HYBRID),

@@ -172,6 +172,9 @@ class Wrapper:
     image_end_key: str = ""
     #: the forward takes `mm_token_type_ids` (1 at image tokens) with `image_grid_thw`
     token_types: bool = False
+    #: the forward routes the image's tokens (placeholders and delimiters) to an expert set of their own by
+    #: `moe_mm_token_type_ids` (1 there): the harness passes it, so that set runs (see `Family.expert_sets`)
+    moe_token_types: bool = False
     #: the text-only causal LM class the wrapper's checkpoints also load as (`AutoModelForCausalLM`, as transformers
     #: maps the wrapper's model type): the patched class takes the checkpoint's text config, as the auto class does
     #: for the built-in one (where the class names no checkpoint keys it ignores, it ignores the `replicated` parts')
@@ -265,6 +268,15 @@ class Family:
     moe_classes: tuple[str, ...]
     #: the attribute of the MoE block holding the routed experts
     experts_attr: str = "experts"
+    #: several routed expert sets per MoE block, each a dotted path from the block to its experts module
+    #: (`text_moe.experts`, `vision_moe.experts`: one set per modality, each beside its own router, which `routers`
+    #: names by the same dotted form): every set is sharded along its intermediate dimension, none reducing on its
+    #: own, and the block's one reduction covers them all with the shared experts. () = the one set `experts_attr`
+    expert_sets: tuple[str, ...] = ()
+    #: size keys a config may give per expert set, as a list in `expert_sets` order (`moe_intermediate_size: [text,
+    #: vision]`): each value must be a positive integer (and one the tensor-parallel size divides, where the key is
+    #: in `tp_divisible_keys`)
+    per_set_sizes: tuple[str, ...] = ()
     #: routed experts of 4.x sources (a ModuleList of MLPs)
     per_expert: PerExpertMLP = PerExpertMLP()
     #: routed experts of 5.x sources (3-D Parameters)
@@ -408,9 +420,16 @@ class Family:
         old = self.legacy if legacy and self.legacy is not None else Legacy()
         return self.experts_attr if old.experts_attr is None else old.experts_attr
 
+    def expert_paths(self, legacy: bool = False) -> tuple[str, ...]:
+        """Dotted paths from the MoE block to each of its routed expert sets in a source of this generation ("": the
+        block itself holds the fused layout's modules)."""
+        return self.expert_sets or (self.experts_attr_of(legacy),)
+
     @property
     def expert_modules(self) -> tuple[str, ...]:
         """Every MoE-block attribute that holds routed experts, any generation (the anchors follow their output)."""
+        if self.expert_sets:  # each set's output comes out of the block's child that holds it
+            return tuple(dict.fromkeys(path.split(".", 1)[0] for path in self.expert_sets))
         found = []
         for legacy in (False, True):
             attr = self.experts_attr_of(legacy)
@@ -447,6 +466,7 @@ class Family:
             **({"whole_modules": list(self.whole_modules)} if self.whole_modules else {}),
             **({"block_reductions": list(self.block_reductions)} if self.block_reductions else {}),
             **({"identity_experts": list(self.identity_experts)} if self.identity_experts else {}),
+            **({"expert_sets": list(self.expert_sets)} if self.expert_sets else {}),
         }
 
 

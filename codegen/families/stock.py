@@ -72,6 +72,7 @@ STOCK_AUTOTP: dict[str, StockAutoTP] = {
     "qwen3_vl_moe": StockAutoTP(**_RUNS_3, image_crash=_SHAPES_DIFFER),
     "glm4v_moe": StockAutoTP(**_RUNS_5, image_crash=_SHAPES_DIFFER),
     "kimi_k25": StockAutoTP(**_RUNS_5, image_crash=_SHAPES_DIFFER),
+    "ernie4_5_vl_moe": StockAutoTP(**_RUNS_5, image_crash=_SHAPES_DIFFER),
     "qwen3_next": StockAutoTP(crash="RuntimeError: shape",
                               why="in_proj_qkvz cut in row halves across its per-key-head q/k/v/z groups"),
     "qwen3_5_moe": StockAutoTP(crash=_SIZES_DIFFER, why=_GATED_DELTA_NET, image_crash=_SIZES_DIFFER),
@@ -120,5 +121,4 @@ STOCK_AUTOTP: dict[str, StockAutoTP] = {
 #: to a path that crashes or is silently wrong. A type left out is not measured, and the refusal says so.
 UNSUPPORTED_STOCK: dict[str, str] = {
     "qwen3_omni_moe": "runs but is silently wrong (max Δlogits 1.7e-2, its experts replicated)",
-    "ernie4_5_vl_moe": "runs with every routed expert replicated on every rank",
 }

@@ -271,6 +271,24 @@ FAMILIES: dict[str, Family] = table(
         known_good=("5.13.0", "5.24.0"),
     ),
     Family(
+        model_type="ernie4_5_vl_moe", config_class="Ernie4_5_VLMoeConfig",
+        # 5.0-5.2 name the classes Ernie4_5_VL_Moe*; 5.3 renamed them and keeps the old names as aliases: the dir names
+        # the ones every release has
+        moe_classes=("Ernie4_5_VLMoeMoeBlock", "Ernie4_5_VL_MoeMoeBlock"),
+        auto_classes={"AutoModelForImageTextToText": "Ernie4_5_VL_MoeForConditionalGeneration",
+                      "AutoModel": "Ernie4_5_VL_MoeModel"},
+        # a text and a vision expert set, each under its own router, beside one shared expert: both sets are split and
+        # the block's one reduction covers text + vision + shared experts; moe_intermediate_size is [text, vision]
+        shared_experts=("shared_experts",), expert_sets=("text_moe.experts", "vision_moe.experts"),
+        routers=("text_moe.gate", "vision_moe.gate"), per_set_sizes=("moe_intermediate_size",),
+        num_experts_keys=("moe_num_experts",), top_k_keys=("moe_k",), more_positive_ints=("head_dim",),
+        layers=_LAYER_TYPES,
+        wrapper=Wrapper(replicated=("vision_tower", "resampler_model"), image_input=IMAGE_FLAT_PATCHES,
+                        image_start_key="image_start_token_id", image_end_key="image_end_token_id",
+                        token_types=True, moe_token_types=True),
+        known_good=("5.0.0", "5.24.0"),
+    ),
+    Family(
         model_type="qwen3_next", config_class="Qwen3NextConfig", moe_classes=("Qwen3NextSparseMoeBlock",),
         **_QWEN_SHARED_EXPERT, more_positive_ints=("head_dim", *_LINEAR_HEAD_KEYS), layers=_QWEN_LAYERS,
         tp_divisible_keys=(*_QWEN_HYBRID_TP, "intermediate_size"), attention_attrs=("self_attn", _QWEN_LINEAR_ATTN),

@@ -42,9 +42,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "qwen3_omni_moe": Unsupported(NOT_YET, "the wrapper has no forward: its text model is `thinker`, beside a second "
                                            "MoE (the talker, a shared expert) and code2wav; needs a wrapper kind that "
                                            "runs the thinker and keeps the talker and code2wav whole"),
-    "ernie4_5_vl_moe": Unsupported(NOT_YET, "two routed expert sets per MoE block (`text_moe`, `vision_moe`, each with "
-                                            "its own router) beside a shared expert: needs an expert layout kind for "
-                                            "several expert sets"),
     "granitemoe_swa": Unsupported(NOT_YET, "the shared MLP is added in the decoder layer, not the MoE block"),
     "hy_v4": Unsupported(NOT_YET, "hyper-connections and a DSA indexer: not verified yet"),
     "jetmoe": Unsupported(REFUSED, "mixture of attention heads: its routed attention experts cannot be sharded "

@@ -491,26 +491,30 @@ def _returned_sum(ret: cst.Return) -> cst.BinaryOperation | None:
 def has_fused_experts(module: cst.Module, moe_class: cst.ClassDef, family: Family) -> bool:
     """Fused 3-D experts (transformers 5.x; gpt_oss in every release), recognised by the family's layout.
 
-    The MoE block builds `self.<experts> = SomeExperts(...)`; that class, in this module, must assign every
+    The MoE block builds `self.<experts> = SomeExperts(...)` (for an expert set one module down, `text_moe.experts`,
+    each step of the path is built so by the class before it); that class, in this module, must assign every
     Parameter the layout names (`self.<gate_up> = nn.Parameter(...)`, `self.<down> = ...`, and the biases).
+    Every expert set must be fused.
     """
-    built = m.findall(
-        moe_class,
-        m.Assign(targets=[m.AssignTarget(target=_self_attr((family.experts_attr,)))], value=m.Call(func=m.Name())),
-    )
-    classes = {b.value.func.value for b in built}
+    classes = {stmt.name.value: stmt for stmt in module.body if isinstance(stmt, cst.ClassDef)}
     parameter = m.Call(func=m.Attribute(attr=m.Name("Parameter")) | m.Name("Parameter"))
-    for stmt in module.body:
-        if not (isinstance(stmt, cst.ClassDef) and stmt.name.value in classes):
-            continue
-        assigned = {
+    for path in family.expert_paths():
+        holders = [moe_class]
+        for step in path.split("."):
+            holders = [classes[name] for holder in holders for name in _built_classes(holder, step) if name in classes]
+        if not any(set(family.fused.parameters) <= {
             a.targets[0].target.attr.value
-            for a in m.findall(stmt, m.Assign(targets=[m.AssignTarget(target=m.Attribute(value=m.Name("self")))],
-                                              value=parameter))
-        }
-        if set(family.fused.parameters) <= assigned:
-            return True
-    return False
+            for a in m.findall(holder, m.Assign(targets=[m.AssignTarget(target=m.Attribute(value=m.Name("self")))],
+                                                value=parameter))
+        } for holder in holders):
+            return False
+    return True
+
+
+def _built_classes(holder: cst.ClassDef, attr: str) -> set[str]:
+    """The classes `holder` builds `self.<attr>` from (`self.<attr> = SomeClass(...)`)."""
+    built = m.findall(holder, m.Assign(targets=[m.AssignTarget(target=_self_attr((attr,)))], value=m.Call(func=m.Name())))
+    return {b.value.func.value for b in built}
 
 
 #: anchor kind (codegen.families.ANCHOR_*) -> the finder that places the reduction

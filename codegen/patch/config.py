@@ -93,6 +93,9 @@ def _validate_sizes(config: dict, family: Family, directory: Path) -> None:
         if key not in sizes:
             continue
         value = sizes[key]
+        if key in family.per_set_sizes and isinstance(value, list) and len(value) == len(family.expert_sets) \
+                and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
+            continue  # one size per expert set
         if isinstance(value, bool) or not isinstance(value, int):
             raise BadInput(f"{where}: {key} must be a positive integer, got {value!r}")
         if value <= 0:
@@ -185,7 +188,9 @@ def check_tp_divides(config: dict, family: Family, tp: int, where: Path) -> None
     sizes = sizes_of(config)
     for key in family.tp_divisible_keys:
         value = sizes.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value % tp:
+        # a list: one size per expert set (`Family.per_set_sizes`), each split alike
+        values = value if key in family.per_set_sizes and isinstance(value, list) else [value]
+        if any(isinstance(v, int) and not isinstance(v, bool) and v % tp for v in values):
             raise BadInput(f"{where}: --tp {tp} does not divide {key} = {value}: pick a tensor-parallel size "
                            "that divides it")
 

@@ -40,7 +40,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'qwen3_5_moe_text', 'moe_classes': ['Qwen3_5MoeSparseMoeBlock'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': ''}, 'shared': ['shared_expert'], 'routers': ['gate', 'shared_expert_gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn', 'linear_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'linear_num_key_heads', 'linear_num_value_heads', 'moe_intermediate_size', 'shared_expert_intermediate_size'], 'linear_attention': {'attr': 'linear_attn', 'projections': [['in_proj_qkv', ['key_dim', 'key_dim', 'value_dim']], ['in_proj_z', []], ['in_proj_b', []], ['in_proj_a', []]], 'conv': 'conv1d', 'conv_segments': ['key_dim', 'key_dim', 'value_dim'], 'head_params': ['A_log', 'dt_bias'], 'output': 'out_proj', 'local_sizes': ['num_k_heads', 'num_v_heads', 'key_dim', 'value_dim', 'conv_dim']}}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_qwen3_5_moe'
-RUNTIME_SHA256 = 'bac928c33466df4ddb267c5ba58fbb76fe479caf100aa26f285baa0edf602630'
+RUNTIME_SHA256 = '58e370e9014cc89151379d7c6b727da85eaa1f0bb925ed84c693d414aa0a9687'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -86,6 +86,20 @@ FUSED_UP_ROWS = "up_rows"
 
 class PolicyError(RuntimeError):
     """A problem the user can fix; its message is one line."""
+
+
+def attribute(module, path):
+    """`module.<path>` for a dotted path (`text_moe.experts`, a Parameter of a submodule: `input_linear.weight`), or
+    None where a step is missing."""
+    for part in path.split("."):
+        module = getattr(module, part, None)
+    return module
+
+
+def expert_paths(layout):
+    """Dotted paths from an MoE block to each of its routed expert sets: the layout's `expert_sets` where a block holds
+    several (one per modality), else its one `experts` attribute ("": the block itself holds the fused modules)."""
+    return list(layout.get("expert_sets") or [layout["experts"]])
 
 
 # ---- codegen/policy/runtime/probe.py ----
@@ -567,21 +581,24 @@ def shard_mlp(mlp, where, names, column_class, row_class):
 
 
 def shard_experts(block, name, rank, world, layout, column_class, row_class):
-    """Routed and shared experts of one MoE block end up sharded, none reducing on its own: else PolicyError."""
-    # "": the MoE block holds the fused layout's modules itself (its Parameters are dotted paths from the block)
-    experts = getattr(block, layout["experts"], None) if layout["experts"] else block
-    where = f"{name}.{layout['experts']}" if layout["experts"] else name
+    """Routed and shared experts of one MoE block end up sharded, none reducing on its own: else PolicyError.
+
+    Every routed expert set of the block (one per modality where the layout names several) is sharded alike."""
     identity = set(layout.get("identity_experts", ()))
-    if isinstance(experts, torch.nn.ModuleList):
-        for index, expert in enumerate(experts):
-            if expert is not None and type(expert).__name__ not in identity:
-                shard_mlp(expert, f"{where}.{index}", layout["per_expert"], column_class, row_class)
-    elif isinstance(experts, torch.nn.Module):
-        shard_fused_experts(experts, where, rank, world, layout["fused"])
-    else:
-        raise PolicyError(f"{name} has no experts module {layout['experts']!r}: re-run patch")
-    if identity and isinstance(experts, torch.nn.Module):
-        count_identity_once(experts, where, rank, identity)
+    for path in expert_paths(layout):
+        # "": the MoE block holds the fused layout's modules itself (its Parameters are dotted paths from the block)
+        experts = attribute(block, path) if path else block
+        where = f"{name}.{path}" if path else name
+        if isinstance(experts, torch.nn.ModuleList):
+            for index, expert in enumerate(experts):
+                if expert is not None and type(expert).__name__ not in identity:
+                    shard_mlp(expert, f"{where}.{index}", layout["per_expert"], column_class, row_class)
+        elif isinstance(experts, torch.nn.Module):
+            shard_fused_experts(experts, where, rank, world, layout["fused"])
+        else:
+            raise PolicyError(f"{name} has no experts module {path!r}: re-run patch")
+        if identity and isinstance(experts, torch.nn.Module):
+            count_identity_once(experts, where, rank, identity)
     for shared in layout["shared"]:
         module = getattr(block, shared, None)
         if module is not None:
@@ -653,19 +670,12 @@ def _fused_params(experts, where, names):
         if not attr:
             found[role] = None
             continue
-        param = _attribute(experts, attr)
+        param = attribute(experts, attr)
         if not isinstance(param, torch.nn.Parameter) or param.dim() != dims:
             raise PolicyError(f"{where} has no {dims}-D Parameter {attr!r} to shard: "
                               "its experts are not the fused layout the family table names")
         found[role] = param
     return found
-
-
-def _attribute(module, path):
-    """`module.<path>` for a dotted path (a Parameter of a submodule: `input_linear.weight`), or None."""
-    for part in path.split("."):
-        module = getattr(module, part, None)
-    return module
 
 
 def keep_down_bias_once(down_bias, rank):
@@ -738,13 +748,13 @@ def shard_flat_rows(experts, where, rank, world, names):
     each rank's down product is its partial sum of the expert's output."""
     params = {}
     for role in ("gate_up", "up", "down"):
-        param = _attribute(experts, names.get(role, ""))
+        param = attribute(experts, names.get(role, ""))
         if not isinstance(param, torch.nn.Parameter) or param.dim() != 2:
             raise PolicyError(f"{where} has no 2-D Parameter {names.get(role, '')!r} to shard: "
                               "its experts are not the fused layout the family table names")
         params[role] = param
     owner_path, _, size_attr = names["size_attr"].rpartition(".")
-    inter = getattr(_attribute(experts, owner_path) if owner_path else experts, size_attr, None)
+    inter = getattr(attribute(experts, owner_path) if owner_path else experts, size_attr, None)
     shapes = {tuple(p.shape) for p in params.values()}
     if not isinstance(inter, int) or inter % world or len(shapes) != 1 or next(iter(shapes))[0] % inter:
         raise PolicyError(f"{where} has flat experts {sorted(shapes)} of width {inter!r}: cannot split them over "
@@ -764,7 +774,7 @@ def shard_up_rows(experts, where, rank, world, names):
     The activation is elementwise per intermediate unit, so the split is exact and each rank's down product is its
     partial sum of the expert's output. The Parameters stay the same registered objects; the full tensors are freed.
     """
-    up, down = (_attribute(experts, names.get(role, "")) if names.get(role) else None for role in ("up", "down"))
+    up, down = (attribute(experts, names.get(role, "")) if names.get(role) else None for role in ("up", "down"))
     if not all(isinstance(p, torch.nn.Parameter) and p.dim() == 3 for p in (up, down)):
         raise PolicyError(f"{where} has no 3-D Parameters {names.get('up', '')!r} and {names.get('down', '')!r} to "
                           "shard: its experts are not the fused layout the family table names")
@@ -805,7 +815,7 @@ def shard_fused_experts(experts, where, rank, world, fused):
         raise PolicyError(f"{where}: unknown fused expert layout {fused['kind']!r}: re-run patch")
     shard = sharder(experts, where, rank, world, fused)
     owner_path, _, size_attr = fused["size_attr"].rpartition(".")
-    owner = _attribute(experts, owner_path) if owner_path else experts
+    owner = attribute(experts, owner_path) if owner_path else experts
     if size_attr and hasattr(owner, size_attr):
         setattr(owner, size_attr, shard)
     setattr(experts, SHARDED_FLAG, True)
@@ -833,7 +843,7 @@ def row_layer_policy(model, blocks, layout, auto_tp):
     parsed = _parse_every_layer_kind(model, auto_tp, alone)
     if not parsed:  # no layer has a linear in sight (its mixer kept whole, its experts fused): nothing is a row layer
         return {type(layer): () for layer in auto_tp.get_module_list(model)}
-    experts = [block._modules.get(layout["experts"]) for _, block in blocks]
+    experts = [attribute(block, path) for _, block in blocks for path in expert_paths(layout) if path]
     down = layout["per_expert"]["down"]
     # zero-compute experts (`nn.Identity`) hold no projection: nothing to name
     identity = set(layout.get("identity_experts", ()))
@@ -1166,10 +1176,13 @@ def detach_replicated(model, blocks, layout):
     """
     kept = []
     for name, block in blocks:
-        for attr in layout["routers"]:
-            if not isinstance(block._modules.get(attr), torch.nn.Module):
-                raise PolicyError(f"{name} has no router {attr!r} (named by the family table): re-run patch")
-            kept.append(detach_child(block, attr, f"{name}.{attr}"))
+        for path in layout["routers"]:
+            # a dotted path: the router of one of the block's expert sets (`text_moe.gate`)
+            owner_path, _, attr = path.rpartition(".")
+            owner = attribute(block, owner_path) if owner_path else block
+            if not isinstance(getattr(owner, "_modules", {}).get(attr), torch.nn.Module):
+                raise PolicyError(f"{name} has no router {path!r} (named by the family table): re-run patch")
+            kept.append(detach_child(owner, attr, f"{name}.{path}"))
         # latent projections into and out of the experts' width: whole on every rank where the block has them
         fused = layout.get("fused", {})
         for attr in [fused.get(k, "") for k in ("latent_in", "latent_out")]:
@@ -1650,7 +1663,9 @@ def check_sizes(config, tp_size, layout):
     sizes = size_config(config)
     for key in layout["tp_divisible"]:
         for where, value in _size_values(sizes, key):
-            if isinstance(value, int) and value % tp_size:
+            # a list: one size per expert set (a text and a vision expert width), each split alike
+            values = value if isinstance(value, (list, tuple)) else [value]
+            if any(isinstance(v, int) and v % tp_size for v in values):
                 raise PolicyError(f"tp_size {tp_size} does not divide {key} = {value}{where}: pick a tp_size "
                                   "that divides it")
 
@@ -1713,7 +1728,8 @@ def moe_blocks(model, layout):
     """(qualified name, module) of every MoE block of the layout's classes."""
     classes = set(layout["moe_classes"])
     return [(n, m) for n, m in model.named_modules()
-            if type(m).__name__ in classes and (not layout["experts"] or hasattr(m, layout["experts"]))]
+            if type(m).__name__ in classes and all(not path or attribute(m, path) is not None
+                                                   for path in expert_paths(layout))]
 
 
 def probe_deepspeed(deepspeed, shm_in_use=False):

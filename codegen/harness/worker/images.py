@@ -79,6 +79,10 @@ def image_inputs(model, ids: torch.Tensor) -> dict | None:
     with_image = torch.where(torch.isin(ids, specials), ids % specials.min(), ids)
     with_image[:, 1:1 + len(span)] = torch.tensor(span, device=ids.device)
     out = {"input_ids": with_image, **pixels}
-    if wrapper.token_types and "mm_token_type_ids" in inspect.signature(model.forward).parameters:  # 5.x only
+    parameters = inspect.signature(model.forward).parameters
+    if wrapper.token_types and "mm_token_type_ids" in parameters:  # 5.x only
         out["mm_token_type_ids"] = (with_image == image_token).to(torch.int)
+    if wrapper.moe_token_types and "moe_mm_token_type_ids" in parameters:
+        # the image's tokens and its delimiters go to the vision expert set (the text tokens to the text set)
+        out["moe_mm_token_type_ids"] = torch.isin(with_image, specials).to(torch.int)
     return out

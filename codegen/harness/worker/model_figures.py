@@ -12,7 +12,7 @@ import torch
 
 from codegen.families import FAMILIES, moe_class_names
 from codegen.harness.memory import FUSED, ROW_PARALLEL_BIASES, is_expert_param
-from codegen.policy.runtime.base import REDUCER_ATTR, SHARDED_FLAG, SHARDED_TENSORS
+from codegen.policy.runtime.base import REDUCER_ATTR, SHARDED_FLAG, SHARDED_TENSORS, attribute
 
 MOE_CLASSES = moe_class_names()
 #: router attributes of each MoE block class, either generation's names (kept whole on every rank)
@@ -41,7 +41,7 @@ def router_params(model) -> dict:
     found = {}
     for block_name, block in model.named_modules():
         for attr in ROUTERS.get(type(block).__name__, ()):
-            router = getattr(block, attr, None)
+            router = attribute(block, attr)  # a dotted path: the router of one of the block's expert sets
             if isinstance(router, torch.nn.Module):
                 for pname, p in router.named_parameters():
                     found[f"{block_name}.{attr}.{pname}"] = (p, router)

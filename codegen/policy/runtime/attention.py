@@ -10,7 +10,7 @@ modules that must stay whole are kept out of its sight.
 
 import torch
 
-from codegen.policy.runtime.base import SUPPORTED_DEEPSPEED, PolicyError
+from codegen.policy.runtime.base import SUPPORTED_DEEPSPEED, PolicyError, attribute
 
 
 def head_param_owners(model, layout):
@@ -273,10 +273,13 @@ def detach_replicated(model, blocks, layout):
     """
     kept = []
     for name, block in blocks:
-        for attr in layout["routers"]:
-            if not isinstance(block._modules.get(attr), torch.nn.Module):
-                raise PolicyError(f"{name} has no router {attr!r} (named by the family table): re-run patch")
-            kept.append(detach_child(block, attr, f"{name}.{attr}"))
+        for path in layout["routers"]:
+            # a dotted path: the router of one of the block's expert sets (`text_moe.gate`)
+            owner_path, _, attr = path.rpartition(".")
+            owner = attribute(block, owner_path) if owner_path else block
+            if not isinstance(getattr(owner, "_modules", {}).get(attr), torch.nn.Module):
+                raise PolicyError(f"{name} has no router {path!r} (named by the family table): re-run patch")
+            kept.append(detach_child(owner, attr, f"{name}.{path}"))
         # latent projections into and out of the experts' width: whole on every rank where the block has them
         fused = layout.get("fused", {})
         for attr in [fused.get(k, "") for k in ("latent_in", "latent_out")]:

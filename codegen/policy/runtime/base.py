@@ -40,3 +40,17 @@ FUSED_UP_ROWS = "up_rows"
 
 class PolicyError(RuntimeError):
     """A problem the user can fix; its message is one line."""
+
+
+def attribute(module, path):
+    """`module.<path>` for a dotted path (`text_moe.experts`, a Parameter of a submodule: `input_linear.weight`), or
+    None where a step is missing."""
+    for part in path.split("."):
+        module = getattr(module, part, None)
+    return module
+
+
+def expert_paths(layout):
+    """Dotted paths from an MoE block to each of its routed expert sets: the layout's `expert_sets` where a block holds
+    several (one per modality), else its one `experts` attribute ("": the block itself holds the fused modules)."""
+    return list(layout.get("expert_sets") or [layout["experts"]])

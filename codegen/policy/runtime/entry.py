@@ -14,7 +14,8 @@ from codegen.policy.runtime.attention import (check_replicated, detach_full_widt
                                               detach_replicated, fingerprint_kept, full_width_norm_owners,
                                               head_linear_owners, head_param_owners, reattach, shard_head_params,
                                               slice_full_width_norms, slice_head_linears)
-from codegen.policy.runtime.base import PATCH_MARKER, REDUCER_ATTR, SUPPORTED_DEEPSPEED, PolicyError
+from codegen.policy.runtime.base import PATCH_MARKER, REDUCER_ATTR, SUPPORTED_DEEPSPEED, PolicyError, attribute, \
+    expert_paths
 from codegen.policy.runtime.experts import row_layer_policy, shard_experts
 from codegen.policy.runtime.environment import destroy_group_at_exit, launcher_notes, local_ranks, thread_note
 from codegen.policy.runtime.groups import CoalescedAllReduce, TensorParallelGroups, route_inference_reductions
@@ -192,7 +193,9 @@ def check_sizes(config, tp_size, layout):
     sizes = size_config(config)
     for key in layout["tp_divisible"]:
         for where, value in _size_values(sizes, key):
-            if isinstance(value, int) and value % tp_size:
+            # a list: one size per expert set (a text and a vision expert width), each split alike
+            values = value if isinstance(value, (list, tuple)) else [value]
+            if any(isinstance(v, int) and v % tp_size for v in values):
                 raise PolicyError(f"tp_size {tp_size} does not divide {key} = {value}{where}: pick a tp_size "
                                   "that divides it")
 
@@ -255,7 +258,8 @@ def moe_blocks(model, layout):
     """(qualified name, module) of every MoE block of the layout's classes."""
     classes = set(layout["moe_classes"])
     return [(n, m) for n, m in model.named_modules()
-            if type(m).__name__ in classes and (not layout["experts"] or hasattr(m, layout["experts"]))]
+            if type(m).__name__ in classes and all(not path or attribute(m, path) is not None
+                                                   for path in expert_paths(layout))]
 
 
 def probe_deepspeed(deepspeed, shm_in_use=False):

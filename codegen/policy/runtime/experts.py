@@ -10,7 +10,7 @@ import torch
 
 from codegen.policy.runtime.base import (FUSED_FLAT_ROWS, FUSED_GATE_UP_HALVES_COLS, FUSED_GATE_UP_INTERLEAVED_COLS,
                                          FUSED_GATE_UP_ROWS, FUSED_UP_ROWS, SHARDED_FLAG, SUPPORTED_DEEPSPEED,
-                                         PolicyError)
+                                         PolicyError, attribute, expert_paths)
 
 #: attributes of DeepSpeed's row-parallel layer that the partial-sum subclass reads
 ROW_LAYER_ATTRS = ("weight", "bias", "tp_index")
@@ -66,21 +66,24 @@ def shard_mlp(mlp, where, names, column_class, row_class):
 
 
 def shard_experts(block, name, rank, world, layout, column_class, row_class):
-    """Routed and shared experts of one MoE block end up sharded, none reducing on its own: else PolicyError."""
-    # "": the MoE block holds the fused layout's modules itself (its Parameters are dotted paths from the block)
-    experts = getattr(block, layout["experts"], None) if layout["experts"] else block
-    where = f"{name}.{layout['experts']}" if layout["experts"] else name
+    """Routed and shared experts of one MoE block end up sharded, none reducing on its own: else PolicyError.
+
+    Every routed expert set of the block (one per modality where the layout names several) is sharded alike."""
     identity = set(layout.get("identity_experts", ()))
-    if isinstance(experts, torch.nn.ModuleList):
-        for index, expert in enumerate(experts):
-            if expert is not None and type(expert).__name__ not in identity:
-                shard_mlp(expert, f"{where}.{index}", layout["per_expert"], column_class, row_class)
-    elif isinstance(experts, torch.nn.Module):
-        shard_fused_experts(experts, where, rank, world, layout["fused"])
-    else:
-        raise PolicyError(f"{name} has no experts module {layout['experts']!r}: re-run patch")
-    if identity and isinstance(experts, torch.nn.Module):
-        count_identity_once(experts, where, rank, identity)
+    for path in expert_paths(layout):
+        # "": the MoE block holds the fused layout's modules itself (its Parameters are dotted paths from the block)
+        experts = attribute(block, path) if path else block
+        where = f"{name}.{path}" if path else name
+        if isinstance(experts, torch.nn.ModuleList):
+            for index, expert in enumerate(experts):
+                if expert is not None and type(expert).__name__ not in identity:
+                    shard_mlp(expert, f"{where}.{index}", layout["per_expert"], column_class, row_class)
+        elif isinstance(experts, torch.nn.Module):
+            shard_fused_experts(experts, where, rank, world, layout["fused"])
+        else:
+            raise PolicyError(f"{name} has no experts module {path!r}: re-run patch")
+        if identity and isinstance(experts, torch.nn.Module):
+            count_identity_once(experts, where, rank, identity)
     for shared in layout["shared"]:
         module = getattr(block, shared, None)
         if module is not None:
@@ -152,19 +155,12 @@ def _fused_params(experts, where, names):
         if not attr:
             found[role] = None
             continue
-        param = _attribute(experts, attr)
+        param = attribute(experts, attr)
         if not isinstance(param, torch.nn.Parameter) or param.dim() != dims:
             raise PolicyError(f"{where} has no {dims}-D Parameter {attr!r} to shard: "
                               "its experts are not the fused layout the family table names")
         found[role] = param
     return found
-
-
-def _attribute(module, path):
-    """`module.<path>` for a dotted path (a Parameter of a submodule: `input_linear.weight`), or None."""
-    for part in path.split("."):
-        module = getattr(module, part, None)
-    return module
 
 
 def keep_down_bias_once(down_bias, rank):
@@ -237,13 +233,13 @@ def shard_flat_rows(experts, where, rank, world, names):
     each rank's down product is its partial sum of the expert's output."""
     params = {}
     for role in ("gate_up", "up", "down"):
-        param = _attribute(experts, names.get(role, ""))
+        param = attribute(experts, names.get(role, ""))
         if not isinstance(param, torch.nn.Parameter) or param.dim() != 2:
             raise PolicyError(f"{where} has no 2-D Parameter {names.get(role, '')!r} to shard: "
                               "its experts are not the fused layout the family table names")
         params[role] = param
     owner_path, _, size_attr = names["size_attr"].rpartition(".")
-    inter = getattr(_attribute(experts, owner_path) if owner_path else experts, size_attr, None)
+    inter = getattr(attribute(experts, owner_path) if owner_path else experts, size_attr, None)
     shapes = {tuple(p.shape) for p in params.values()}
     if not isinstance(inter, int) or inter % world or len(shapes) != 1 or next(iter(shapes))[0] % inter:
         raise PolicyError(f"{where} has flat experts {sorted(shapes)} of width {inter!r}: cannot split them over "
@@ -263,7 +259,7 @@ def shard_up_rows(experts, where, rank, world, names):
     The activation is elementwise per intermediate unit, so the split is exact and each rank's down product is its
     partial sum of the expert's output. The Parameters stay the same registered objects; the full tensors are freed.
     """
-    up, down = (_attribute(experts, names.get(role, "")) if names.get(role) else None for role in ("up", "down"))
+    up, down = (attribute(experts, names.get(role, "")) if names.get(role) else None for role in ("up", "down"))
     if not all(isinstance(p, torch.nn.Parameter) and p.dim() == 3 for p in (up, down)):
         raise PolicyError(f"{where} has no 3-D Parameters {names.get('up', '')!r} and {names.get('down', '')!r} to "
                           "shard: its experts are not the fused layout the family table names")
@@ -304,7 +300,7 @@ def shard_fused_experts(experts, where, rank, world, fused):
         raise PolicyError(f"{where}: unknown fused expert layout {fused['kind']!r}: re-run patch")
     shard = sharder(experts, where, rank, world, fused)
     owner_path, _, size_attr = fused["size_attr"].rpartition(".")
-    owner = _attribute(experts, owner_path) if owner_path else experts
+    owner = attribute(experts, owner_path) if owner_path else experts
     if size_attr and hasattr(owner, size_attr):
         setattr(owner, size_attr, shard)
     setattr(experts, SHARDED_FLAG, True)
@@ -332,7 +328,7 @@ def row_layer_policy(model, blocks, layout, auto_tp):
     parsed = _parse_every_layer_kind(model, auto_tp, alone)
     if not parsed:  # no layer has a linear in sight (its mixer kept whole, its experts fused): nothing is a row layer
         return {type(layer): () for layer in auto_tp.get_module_list(model)}
-    experts = [block._modules.get(layout["experts"]) for _, block in blocks]
+    experts = [attribute(block, path) for _, block in blocks for path in expert_paths(layout) if path]
     down = layout["per_expert"]["down"]
     # zero-compute experts (`nn.Identity`) hold no projection: nothing to name
     identity = set(layout.get("identity_experts", ()))
