@@ -107,6 +107,16 @@ STOCK_AUTOTP: dict[str, StockAutoTP] = {
                                       "are not"),
     "lfm2_moe": StockAutoTP(crash=_SIZES_DIFFER,
                             why="the short convolution's in_proj is cut, its conv channels are not"),
+    "mellum": StockAutoTP(**_RUNS_3),
+    "kolibri1": StockAutoTP(**_RUNS_5),
+    "flint": StockAutoTP(crash="RuntimeError: The expanded size of the tensor",
+                         why="attention sinks are not sharded with the heads"),
+    "beam": StockAutoTP(crash="RuntimeError: shape",
+                        why="the attention output gate (gate_proj) is left whole while the heads are cut"),
+    "hy_v3": StockAutoTP(**_RUNS_5),
+    "laguna": StockAutoTP(**_RUNS_5),
+    "axk1": StockAutoTP(**_RUNS_5),
+    "cohere2_moe": StockAutoTP(**_RUNS_5),
 }
 
 #: what stock DeepSpeed 0.19.8 AutoTP does to the unpatched tiny checkpoint of a model type codegen does not patch
