@@ -373,4 +373,19 @@ EXAMPLES: dict[str, Examples] = {
                                       sliding_window=8, layer_types=["sliding_attention", "full_attention"],
                                       mlp_layer_types=["dense", "sparse"], pad_token_id=0, bos_token_id=1,
                                       eos_token_id=2)),
+    # MLA and a DSA indexer, gated RMSNorms (as mk_tiny.py builds it)
+    "axk2": Examples(tiny=dict(_TINY, **_TINY_MLA, intermediate_size=128, moe_intermediate_size=32,
+                               n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                               mlp_layer_types=["dense", "sparse"], layer_types=["indexed_attention",
+                                                                                 "indexed_attention"],
+                               index_topk=4, index_head_dim=16, index_n_heads=2, gated_norm_rank=8, bos_token_id=1,
+                               eos_token_id=2)),
+    # one layer per mixer kind: gated-delta linear attention, sliding attention, full attention, all MoE (as mk_tiny.py
+    # builds it, with the linear heads of the Qwen hybrids' examples: 4 key heads, so that 4 ranks split them)
+    "lara_mini": Examples(tiny=dict(_TINY, num_hidden_layers=3, moe_intermediate_size=32,
+                                    shared_expert_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                    head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+                                    linear_num_key_heads=4, linear_num_value_heads=8, sliding_window=8,
+                                    layer_types=["linear_attention", "sliding_attention", "full_attention"],
+                                    eos_token_id=2)),
 }

@@ -117,6 +117,9 @@ STOCK_AUTOTP: dict[str, StockAutoTP] = {
     "laguna": StockAutoTP(**_RUNS_5),
     "axk1": StockAutoTP(**_RUNS_5),
     "cohere2_moe": StockAutoTP(**_RUNS_5),
+    "axk2": StockAutoTP(crash=_SHAPES_DIFFER,
+                        why="the gated RMSNorm's low-rank gate is cut: fc1's output rows, not fc2's input columns"),
+    "lara_mini": StockAutoTP(crash=_SIZES_DIFFER, why=_GATED_DELTA_NET),
 }
 
 #: what stock DeepSpeed 0.19.8 AutoTP does to the unpatched tiny checkpoint of a model type codegen does not patch

@@ -502,6 +502,24 @@ FAMILIES: dict[str, Family] = table(
         tp_divisible_keys=(*_DENSE_WIDTH_TP, "prefix_dense_intermediate_size"), layers=_LAYER_TYPES,
         known_good=("5.9.0", "5.24.0"),
     ),
+    Family(
+        model_type="axk2", config_class="AXK2Config", moe_classes=("AXK2MoE",), **_DEEPSEEK_MOE,
+        more_positive_ints=("gated_norm_rank",),
+        # MLA without q_b_proj, its latent inputs and DSA indexer whole; q_gate_proj's rows are per head ([q | gate]
+        # each), which DeepSpeed would cut in grain-sized steps (its name holds `gate_proj`): cut by the heads instead
+        attention_replicated=(*_MLA, "indexer"), attention_head_linears=("q_gate_proj",), layers=_LAYER_TYPES,
+        # the decoder layer's gated RMSNorms (a low-rank fc1/fc2 gate over the whole hidden state) whole
+        whole_modules=("AXK2GatedRMSNorm",),
+        known_good=("5.15.0", "5.24.0"),
+    ),
+    Family(
+        model_type="lara_mini", config_class="LaraMiniConfig", moe_classes=("LaraMiniSparseMoeBlock",),
+        # Flint's MoE block: one shared expert, added without a gate
+        shared_experts=("shared_expert",), num_experts_keys=("num_experts",),
+        more_positive_ints=("head_dim", *_LINEAR_HEAD_KEYS), tp_divisible_keys=_QWEN_HYBRID_TP,
+        attention_attrs=("self_attn", _QWEN_LINEAR_ATTN), linear_attention=_QWEN3_5_GATED_DELTA_NET,
+        known_good=("5.24.0",),
+    ),
 )
 
 #: model types that are another family's architecture under another name

@@ -18,12 +18,9 @@ class Unsupported:
     why: str
 
 
-_ROW = "a row of existing kinds, not verified yet"
 #: a hybrid whose gated delta-net is Qwen3.5-MoE's: the linear-attention kind covers it as data (a row, unverified)
 _GDN_AS_DATA = "Qwen3.5's gated delta-net: the linear-attention kind covers it as data, a row not verified yet"
 UNSUPPORTED: dict[str, Unsupported] = {
-    "axk2": Unsupported(NOT_YET, _ROW),
-    "lara_mini": Unsupported(NOT_YET, _GDN_AS_DATA),
     # the other hybrids (survey of their 5.24 sources): which the linear-attention kind covers, which need another
     "qwen4_exp": Unsupported(NOT_YET, f"{_GDN_AS_DATA}; its hyper-connections, per-layer n-gram embeddings and "
                                       "attention indexer are not verified yet"),
