@@ -65,12 +65,17 @@ RELEASES: dict[str, str] = {
     "5.3.0": "50ac8c89c3c7033444fb3f9f53138096b997ebb70d4b5e50a2e810bf12d3d29a",  # first with nemotron_h
     "5.4.0": "9fbe50602d2a4e6d0aa8a35a605433dfac72d595ee2192eae192590a6cc2df86",  # first with mistral4
     "5.5.0": "821a9ff0961abbb29eb1eb686d78df1c85929fdf213a3fe49dc6bd94f9efa944",  # first with gemma4
+    "5.6.0": "def5aac47b28e2f1386fa64f2f458a5474ba7733ab74c1765e7c67a79d1f1cbd",  # first with hy_v3
+    "5.7.0": "869660cd8fc92badc041f5551bf755a42f4b9558c93341bf3fa3eeed7065079c",  # first with laguna
     "5.8.0": "e9d2cae6d195a7e1e05164c5ebf26142a7044e4dc4267274f4809204f92827e4",  # first with deepseek_v4
-    "5.11.0": "06d0a34eab529955f8e704b530663c7d6bd6f9c7a9e47a05cddb4a44e7b6566b",  # first with deepseek_v32
+    "5.9.0": "1d19509bcff7028ebc6b277d71caa712e8353778463d38764237d14b42b52788",  # first with cohere2_moe
+    "5.11.0": "06d0a34eab529955f8e704b530663c7d6bd6f9c7a9e47a05cddb4a44e7b6566b",  # first with deepseek_v32, mellum
     "5.13.0": "8adbc1d20bd5463cd6876b2eb7cb31971e1065788e7dc6bc12bab597a7c504b7",  # first with mimo_v2_flash, kimi_k25
+    "5.15.0": "d7f007736f67749ae9490c4f8cb5d30b452ae2d68c8675e50ba8d63ea7feb107",  # first with axk1, axk2
     "5.16.0": "2b4adda8d99bb4c1b208da5ed967e2625ad449087827a750cb3b23ce4000b139",  # first with step3p7
     "5.17.0": "78ec1ce21579b38dfb83950a0658cd119f87212a2fcfdff478096ce9d6c03801",  # first with kimi_linear, glm5_next
-    "5.20.0": "5f4afd201f9ae5118b006513a0f647962b531de5592043e558a66d326378685b",  # first with bailing_hybrid
+    "5.20.0": "5f4afd201f9ae5118b006513a0f647962b531de5592043e558a66d326378685b",  # first with bailing_hybrid, kolibri1
+    "5.21.0": "8803a8712932aa3441c1e8bb340e66d5e3eca079fe65d9b717ede2f3ead01c79",  # first with beam, flint
     "5.22.0": "3cca65f94b0aa33511433c7c1a661c513e4ad8bc0504cb370d181d771e7c9aa0",  # first with mistral_large4
     "5.24.0": "ff5ebedf9359f94bb63772b6380eba6e7104d010cbbb2cb82c788817ea7486f6",  # latest 5.x, the pinned one
 }

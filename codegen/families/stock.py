@@ -114,6 +114,19 @@ STOCK_AUTOTP: dict[str, StockAutoTP] = {
                                      "10 routed and zero-compute experts, then picks among all 10"),
     "nemotron_h": StockAutoTP(crash="RuntimeError: split_with_sizes expects split_sizes to sum exactly to",
                               why="the Mamba-2 in_proj is cut in contiguous rows, its split sizes stay global"),
+    "mellum": StockAutoTP(**_RUNS_3),
+    "kolibri1": StockAutoTP(**_RUNS_5),
+    "flint": StockAutoTP(crash="RuntimeError: The expanded size of the tensor",
+                         why="attention sinks are not sharded with the heads"),
+    "beam": StockAutoTP(crash="RuntimeError: shape",
+                        why="the attention output gate (gate_proj) is left whole while the heads are cut"),
+    "hy_v3": StockAutoTP(**_RUNS_5),
+    "laguna": StockAutoTP(**_RUNS_5),
+    "axk1": StockAutoTP(**_RUNS_5),
+    "cohere2_moe": StockAutoTP(**_RUNS_5),
+    "axk2": StockAutoTP(crash=_SHAPES_DIFFER,
+                        why="the gated RMSNorm's low-rank gate is cut: fc1's output rows, not fc2's input columns"),
+    "lara_mini": StockAutoTP(crash=_SIZES_DIFFER, why=_GATED_DELTA_NET),
 }
 
 #: what stock DeepSpeed 0.19.8 AutoTP does to the unpatched tiny checkpoint of a model type codegen does not patch

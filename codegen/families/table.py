@@ -10,9 +10,9 @@ The examples and the measured stock AutoTP figures are kept beside the table (ex
 from __future__ import annotations
 
 from codegen.families.kinds import ANCHOR_RETURNED_ROUTED, ANCHOR_RETURNED_SUM, ANCHOR_ROUTED_STATEMENT, \
-    ANCHOR_SHARED_INPLACE_SUM, IMAGE_FLAT_PATCHES, IMAGE_PATCH_ROWS, IMAGE_POSITIONED_PATCHES, IMAGE_SIZED, \
-    IMAGE_WHOLE, Alias, Family, FusedExperts, Legacy, LinearAttention, MoELayers, PerExpertMLP, QuantizedForm, \
-    Wrapper, table
+    ANCHOR_SHARED_INPLACE_SUM, HEADS_AND_WIDTHS, IMAGE_FLAT_PATCHES, IMAGE_PATCH_ROWS, IMAGE_POSITIONED_PATCHES, \
+    IMAGE_SIZED, IMAGE_WHOLE, Alias, Family, FusedExperts, Legacy, LinearAttention, MoELayers, PerExpertMLP, \
+    QuantizedForm, Wrapper, table
 from codegen.policy.runtime.base import FUSED_FLAT_ROWS, FUSED_GATE_UP_HALVES_COLS, FUSED_GATE_UP_INTERLEAVED_COLS, \
     FUSED_UP_ROWS
 
@@ -52,15 +52,16 @@ _QWEN_LINEAR_ATTN = "linear_attn"
 _LINEAR_HEAD_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
 _QWEN_HYBRID_TP = ("num_attention_heads", "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads",
                    "moe_intermediate_size", "shared_expert_intermediate_size")
+#: Qwen3.5's gated delta-net: in_proj_qkv rows [q (key heads) | k (key heads) | v (value heads)]; z, b, a: per value
+#: head
+_QWEN3_5_GATED_DELTA_NET = LinearAttention(attr=_QWEN_LINEAR_ATTN, projections=(
+    ("in_proj_qkv", ("key_dim", "key_dim", "value_dim")), ("in_proj_z", ()), ("in_proj_b", ()), ("in_proj_a", ())))
 #: the Qwen3.5 MoE decoder, in the multimodal wrapper and saved alone (one module)
 _QWEN3_5_DECODER = dict(
     moe_classes=("Qwen3_5MoeSparseMoeBlock",), **_QWEN_SHARED_EXPERT,
     more_positive_ints=("head_dim", *_LINEAR_HEAD_KEYS),
     tp_divisible_keys=_QWEN_HYBRID_TP, attention_attrs=("self_attn", _QWEN_LINEAR_ATTN),
-    # in_proj_qkv rows: [q (key heads) | k (key heads) | v (value heads)]; z, b, a: per value head
-    linear_attention=LinearAttention(attr=_QWEN_LINEAR_ATTN, projections=(
-        ("in_proj_qkv", ("key_dim", "key_dim", "value_dim")), ("in_proj_z", ()), ("in_proj_b", ()), ("in_proj_a", ()))),
-    known_good=("5.2.0", "5.24.0"),
+    linear_attention=_QWEN3_5_GATED_DELTA_NET, known_good=("5.2.0", "5.24.0"),
 )
 
 #: the Granite MoE block (GraniteMoe, its shared-MLP and hybrid descendants): a router of its own type; 4.x held the
@@ -497,6 +498,79 @@ FAMILIES: dict[str, Family] = table(
         # `layers_block_type` (5.x), else the hub's `hybrid_override_pattern` ("M", "E", "*", "-" per block)
         layers=MoELayers(types="layers_block_type", pattern="hybrid_override_pattern", sparse_marks=("moe", "E")),
         known_good=("5.3.0", "5.24.0"),
+    ),
+    Family(
+        model_type="mellum", config_class="MellumConfig", moe_classes=("MellumSparseMoeBlock",),
+        num_experts_keys=("num_experts", "num_local_experts"), more_positive_ints=("head_dim",), layers=_LAYER_TYPES,
+        known_good=("5.11.0", "5.24.0"),
+    ),
+    Family(
+        model_type="kolibri1", config_class="Kolibri1Config", moe_classes=("Kolibri1SparseMoeBlock",),
+        # Qwen3-MoE's config: it writes num_local_experts
+        shared_experts=("shared_experts",), num_experts_keys=("num_experts", "num_local_experts"),
+        more_positive_ints=("head_dim",),
+        tp_divisible_keys=("num_attention_heads", "num_key_value_heads", "moe_intermediate_size",
+                           "shared_expert_intermediate_size"),
+        known_good=("5.20.0", "5.24.0"),
+    ),
+    Family(
+        model_type="flint", config_class="FlintConfig", moe_classes=("FlintSparseMoeBlock",),
+        shared_experts=("shared_expert",), num_experts_keys=("num_experts",), more_positive_ints=("head_dim",),
+        tp_divisible_keys=(*HEADS_AND_WIDTHS, "shared_expert_intermediate_size"),
+        # attention sinks, one per head
+        attention_head_params=("sinks",), layers=_QWEN_LAYERS,
+        known_good=("5.21.0", "5.24.0"),
+    ),
+    Family(
+        model_type="beam", config_class="BeamConfig", moe_classes=("BeamMoE",), num_experts_keys=("num_experts",),
+        more_positive_ints=(*_GROUPS, "head_dim"),
+        # the attention output gate, one row block and one bias per head
+        attention_head_linears=("gate_proj",), attention_head_params=("gate_bias",), layers=_LAYER_TYPES,
+        known_good=("5.21.0", "5.24.0"),
+    ),
+    Family(
+        model_type="hy_v3", config_class="HYV3Config", moe_classes=("HYV3MoE",), shared_experts=("shared_experts",),
+        num_experts_keys=("num_experts", "num_local_experts"), more_positive_ints=("head_dim",), layers=_LAYER_TYPES,
+        known_good=("5.6.0", "5.24.0"),
+    ),
+    Family(
+        model_type="laguna", config_class="LagunaConfig", moe_classes=("LagunaSparseMoeBlock",),
+        shared_experts=("shared_experts",), num_experts_keys=("num_experts",), more_positive_ints=("head_dim",),
+        tp_divisible_keys=(*HEADS_AND_WIDTHS, "shared_expert_intermediate_size"),
+        # the attention output gate (softplus), one row (or one head_dim block) per head. Its per-layer head counts
+        # (`num_attention_heads_per_layer`, a list) are not among the sizes checked to divide by tp
+        attention_head_linears=("g_proj",), layers=_LAYER_TYPES,
+        known_good=("5.7.0", "5.24.0"),
+    ),
+    Family(
+        model_type="axk1", config_class="AXK1Config", moe_classes=("AXK1MoE",), **_DEEPSEEK_MOE,
+        more_positive_ints=_GROUPS, attention_replicated=_MLA, layers=_LAYER_TYPES,
+        known_good=("5.15.0", "5.24.0"),
+    ),
+    Family(
+        model_type="cohere2_moe", config_class="Cohere2MoeConfig", moe_classes=("Cohere2MoeSparseMoeBlock",),
+        shared_experts=("shared_experts",), num_experts_keys=("num_experts",),
+        more_positive_ints=("intermediate_size", "head_dim"),
+        tp_divisible_keys=(*_DENSE_WIDTH_TP, "prefix_dense_intermediate_size"), layers=_LAYER_TYPES,
+        known_good=("5.9.0", "5.24.0"),
+    ),
+    Family(
+        model_type="axk2", config_class="AXK2Config", moe_classes=("AXK2MoE",), **_DEEPSEEK_MOE,
+        more_positive_ints=("gated_norm_rank",),
+        # MLA without q_b_proj, its latent inputs and DSA indexer whole; q_gate_proj's rows are per head ([q | gate]
+        # each), which DeepSpeed would cut in grain-sized steps (its name holds `gate_proj`): cut by the heads instead
+        attention_replicated=(*_MLA, "indexer"), attention_head_linears=("q_gate_proj",), layers=_LAYER_TYPES,
+        # the decoder layer's gated RMSNorms (a low-rank fc1/fc2 gate over the whole hidden state) whole
+        whole_modules=("AXK2GatedRMSNorm",),
+        known_good=("5.15.0", "5.24.0"),
+    ),
+    Family(
+        model_type="lara_mini", config_class="LaraMiniConfig", moe_classes=("LaraMiniSparseMoeBlock",),
+        # Flint's MoE block: one shared expert, added without a gate
+        shared_experts=("shared_expert",), num_experts_keys=("num_experts",),
+        more_positive_ints=("head_dim", *_LINEAR_HEAD_KEYS), tp_divisible_keys=_QWEN_HYBRID_TP,
+        attention_attrs=("self_attn", _QWEN_LINEAR_ATTN), linear_attention=_QWEN3_5_GATED_DELTA_NET,
+        known_good=("5.24.0",),
     ),
 )
 

@@ -18,15 +18,10 @@ class Unsupported:
     why: str
 
 
-_ROW = "a row of existing kinds, not verified yet"
 #: a hybrid whose gated delta-net is Qwen3.5-MoE's: the linear-attention kind covers it as data (a row, unverified)
 _GDN_AS_DATA = "Qwen3.5's gated delta-net: the linear-attention kind covers it as data, a row not verified yet"
 UNSUPPORTED: dict[str, Unsupported] = {
-    **{t: Unsupported(NOT_YET, _ROW) for t in (
-        "kolibri1", "mellum", "flint", "beam", "cohere2_moe",
-        "hy_v3", "axk1", "axk2", "laguna")},
     # the other hybrids (survey of their 5.24 sources): which the linear-attention kind covers, which need another
-    "lara_mini": Unsupported(NOT_YET, _GDN_AS_DATA),
     "qwen4_exp": Unsupported(NOT_YET, f"{_GDN_AS_DATA}; its hyper-connections, per-layer n-gram embeddings and "
                                       "attention indexer are not verified yet"),
     **{t: Unsupported(NOT_YET, "attention with per-head short convolutions and nested projections: needs an "

@@ -319,9 +319,16 @@ def _names_carrying(body: list[cst.BaseStatement], carries) -> set[str]:
 
 
 def _shared_names(body: list[cst.BaseStatement], attrs: tuple[str, ...]) -> set[str]:
-    """Names that carry the shared expert output (`s = self.shared(x)`; `s = g * s`), not a sum with it."""
-    return _names_carrying(body, lambda value, names: not m.matches(value, m.BinaryOperation(operator=m.Add()))
-                           and _mentions(value, attrs, names))
+    """Names that carry the shared expert output (`s = self.shared(x)`; `s = g * s`), not a sum with it: nor a sum
+    inside a cast or a scale (`y = (r.float() + s.float()).to(dtype)`, `y = (y + s) / 2`), which carries the routed
+    experts too."""
+    def carries(value: cst.BaseExpression, names: set[str]) -> bool:
+        sums = m.findall(value, m.BinaryOperation(operator=m.Add()))
+        if any([_mentions(s.left, attrs, names), _mentions(s.right, attrs, names)].count(True) == 1 for s in sums):
+            return False
+        return not m.matches(value, m.BinaryOperation(operator=m.Add())) and _mentions(value, attrs, names)
+
+    return _names_carrying(body, carries)
 
 
 def _binds(node: cst.CSTNode, name: str) -> bool:
