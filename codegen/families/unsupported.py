@@ -42,9 +42,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     **{t: Unsupported(NOT_YET, "a multimodal wrapper over a text MoE, not verified yet") for t in (
         "aria", "hy_v4_vl", "minimax_m3_vl",
         "muse_spark", "deepseek_ocr2", "unlimited_ocr", "dots3_note", "nemotron_h_omni")},
-    "qwen3_omni_moe": Unsupported(NOT_YET, "the wrapper has no forward: its text model is `thinker`, beside a second "
-                                           "MoE (the talker, a shared expert) and code2wav; needs a wrapper kind that "
-                                           "runs the thinker and keeps the talker and code2wav whole"),
     "ernie4_5_vl_moe": Unsupported(NOT_YET, "two routed expert sets per MoE block (`text_moe`, `vision_moe`, each with "
                                             "its own router) beside a shared expert: needs an expert layout kind for "
                                             "several expert sets"),
