@@ -34,13 +34,15 @@ def _pixels(family: Family, vision, batch: int, generator: torch.Generator) -> d
     raise ValueError(f"{family.model_type}: unknown image input kind {kind!r}")
 
 
-def image_inputs(model, ids: torch.Tensor) -> dict | None:
+def image_inputs(model, ids: torch.Tensor, family: Family | None = None) -> dict | None:
     """Forward kwargs putting one image at the start of every prompt of `ids` (None: the model's family takes no
     image): `input_ids` with the start / placeholder / end tokens, the pixels, and what the family's forward
-    also takes (`image_grid_thw`, `mm_token_type_ids`)."""
+    also takes (`image_grid_thw`, `mm_token_type_ids`). `family`: the dir's, where the model that runs is a
+    wrapper's text submodule (its config names another model type); else the model's own."""
     config = model.config
-    name = normalise_model_type(getattr(config, "model_type", None))
-    family = family_named(name) if name else None
+    if family is None:
+        name = normalise_model_type(getattr(config, "model_type", None))
+        family = family_named(name) if name else None
     wrapper = family.wrapper if family is not None else None
     if wrapper is None or not wrapper.image_input:
         return None
