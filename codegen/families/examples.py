@@ -355,8 +355,10 @@ EXAMPLES: dict[str, Examples] = {
                                                           "mrope_section": [2, 3, 3], "interleaved": True}),
         vision=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                     num_position_embeddings=16, deepstack_visual_indexes=[0], patch_size=8),
+        # the hub's audio windows (n_window 50, n_window_infer 100): its token count per clip assumes them, so a
+        # prompt holding a 100-frame clip fills 13 audio tokens
         audio=dict(num_mel_bins=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, d_model=32,
-                   output_dim=64, n_window=4, n_window_infer=8, conv_chunksize=4, downsample_hidden_size=8,
+                   output_dim=64, n_window=50, n_window_infer=100, conv_chunksize=4, downsample_hidden_size=8,
                    max_source_positions=64),
         submodule=dict(_TINY_IMAGE_TOKENS, video_token_id=253, audio_token_id=254, audio_start_token_id=255,
                        audio_end_token_id=249),
