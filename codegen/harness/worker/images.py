@@ -51,7 +51,9 @@ def image_inputs(model, ids: torch.Tensor, family: Family | None = None) -> dict
     pixels = {k: v.to(ids.device) for k, v in _pixels(family, vision, batch, torch.Generator().manual_seed(2)).items()}
     with torch.no_grad():
         one = {k: v[: v.shape[0] // batch] for k, v in pixels.items()}
-        first = model.model.get_image_features(**one)
+        # the base model's, else the model's own (4.x Qwen3-Omni's thinker: its `model` is the text decoder)
+        owner = model.model if hasattr(model.model, "get_image_features") else model
+        first = owner.get_image_features(**one)
     # 5.x: an output whose pooler_output lists each image's features; 4.x: a tuple led by them
     first = getattr(first, "pooler_output", first)
     while isinstance(first, (list, tuple)):
