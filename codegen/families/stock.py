@@ -22,8 +22,8 @@ class StockAutoTP:
     #: experts' bytes each rank holds (tests/test_verify.py asserts both; the README quotes them)
     allreduces: int = 0
     experts: float = 0.0
-    #: where `wrong`: its routers are split (each rank holds fewer router bytes than codegen's whole ones); False: the
-    #: routers stay whole and something else is cut wrongly (said in `why`)
+    #: where `wrong` (or `legacy_wrong`, on 4.x): its routers are split (each rank holds fewer router bytes than
+    #: codegen's whole ones); False: the routers stay whole and something else is cut wrongly (said in `why`)
     wrong_routers: bool = True
     #: it runs on the family's transformers 4.x sources but its logits are wrong there, and why ("" = as on 5.x)
     legacy_wrong: str = ""
@@ -113,6 +113,8 @@ STOCK_AUTOTP: dict[str, StockAutoTP] = {
                                       "(rank 1 gets no query head) but k/v by heads: rank 0's queries meet half the "
                                       "kv heads; its experts stay replicated, its LM head whole",
                                   wrong=True, wrong_routers=False, allreduces=2, experts=1.0,
+                                  legacy_wrong="on 4.x it reduces once per executed expert (8 per MoE layer), its "
+                                               "attention cut as unevenly (max Δlogits 1.5e-2)",
                                   image_crash="RuntimeError: shape"),
 }
 
