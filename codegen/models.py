@@ -3,7 +3,9 @@
 The auto class is the one the dir's config names (its `auto_map`, else its model type's mapping) for the class the
 checkpoint was saved from (`architectures`), else the causal-LM class where there is one, else the
 image-text-to-text class of a multimodal wrapper; the causal-LM class first for a wrapper whose own forward does not
-run its text decoder (the family table's `Wrapper.runs_as_causal_lm`). The dtype keyword is the
+run its text decoder (the family table's `Wrapper.runs_as_causal_lm`); a wrapper with no forward at all (a
+multimodal-LM class only) loads whole and runs through its text submodule (`Wrapper.text_submodule`, `runs_as`): its
+policy is handed the whole model and shards that submodule, the engine's module. The dtype keyword is the
 installed release's (`dtype` from 4.56, `torch_dtype` before). The dir's generated policy is imported as a module.
 """
 
@@ -16,8 +18,10 @@ from pathlib import Path
 
 from codegen.modeldir.layout import CONFIG, POLICY_FILE
 
-#: auto classes tried, in order, for the model a dir holds (text only first)
-AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForImageTextToText")
+#: auto classes tried, in order, for the model a dir holds (text only first; the last two: a wrapper with no forward,
+#: as transformers 5.x and 4.x map it)
+AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForImageTextToText", "AutoModelForMultimodalLM",
+                "AutoModelForTextToWaveform")
 
 
 def model_config(directory: str | Path) -> dict:
@@ -50,9 +54,11 @@ def auto_class(directory: str | Path):
     config = model_config(directory)
     auto_map = config.get("auto_map") or {}
     mappings = {"AutoModelForCausalLM": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
-                "AutoModelForImageTextToText": "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"}
+                "AutoModelForImageTextToText": "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
+                "AutoModelForMultimodalLM": "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES",
+                "AutoModelForTextToWaveform": "MODEL_FOR_TEXT_TO_WAVEFORM_MAPPING_NAMES"}
     classes = {}  # auto class -> the model class it loads for this dir
-    for name in AUTO_CLASSES:
+    for name in (n for n in AUTO_CLASSES if hasattr(transformers, n)):
         if auto_map:
             found = auto_map.get(name)
             found = found.rsplit(".", 1)[-1] if isinstance(found, str) else None
@@ -77,6 +83,25 @@ def _runs_as_causal_lm(model_type) -> bool:
     name = normalise_model_type(model_type)
     wrapper = family_named(name).wrapper if name else None
     return wrapper is not None and wrapper.runs_as_causal_lm
+
+
+def dir_family(directory: str | Path):
+    """The family of a dir's config.json model type (None: not one codegen knows)."""
+    from codegen.families import family_named, normalise_model_type
+
+    name = normalise_model_type(model_config(directory).get("model_type"))
+    return family_named(name) if name else None
+
+
+def runs_as(model):
+    """The module that runs a loaded model: a wrapper with no forward of its own runs its text submodule (the family
+    table's `Wrapper.text_submodule`); every other model, or that submodule itself, runs as it is."""
+    from codegen.families import family_named, normalise_model_type
+
+    name = normalise_model_type(getattr(getattr(model, "config", None), "model_type", None))
+    wrapper = family_named(name).wrapper if name else None
+    sub = wrapper.text_submodule if wrapper is not None else ""
+    return getattr(model, sub) if sub and hasattr(model, sub) else model
 
 
 def load(directory: str | Path, remote: bool, dtype, **extra):

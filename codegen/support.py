@@ -92,6 +92,8 @@ def _rules(family: Family) -> str:
             parts.append(f"decoder from `{family.wrapper.text_family}`")
         if family.wrapper.runs_as_causal_lm:
             parts.append(f"runs as `{family.wrapper.causal_lm}`")
+        if family.wrapper.text_submodule:
+            parts.append(f"runs its `{family.wrapper.text_submodule}` (sharded alone: the wrapper's other modules whole)")
     return "; ".join(parts)
 
 

@@ -139,3 +139,20 @@ def test_a_size_given_per_expert_set_is_a_list_of_positive_ints(tmp_path):
     odd = {"text_config": {**config["text_config"], "moe_intermediate_size": [32, 7]}}
     with pytest.raises(BadInput, match=r"--tp 2 does not divide moe_intermediate_size = \[32, 7\]"):
         check_tp_divides(odd, family, 2, tmp_path)
+
+
+def test_a_wrapper_run_through_a_text_submodule_reads_its_sizes_from_that_submodules_text_config():
+    """Qwen3-Omni's config.json nests the decoder's sizes two levels down (`thinker_config.text_config`): `patch`,
+    `verify` and `serve` check them there; the submodule is named by the row, as data."""
+    from codegen.families import FAMILIES as TABLE
+    from codegen.families import TEXT_CONFIG, sizes_of
+
+    wrappers = [f for f in TABLE.values() if f.wrapper is not None and f.wrapper.text_submodule]
+    assert wrappers and all(f.wrapper.submodule_config for f in wrappers)
+    for family in wrappers:
+        config = {"model_type": family.model_type,
+                  family.wrapper.submodule_config: {TEXT_CONFIG: {"hidden_size": 64, "num_attention_heads": 4}}}
+        assert sizes_of(config)["num_attention_heads"] == 4
+        assert family.policy_layout()["text_submodule"] == family.wrapper.text_submodule
+    # every other row's policy layout stays as it was: no key for a submodule it does not have
+    assert all("text_submodule" not in f.policy_layout() for f in TABLE.values() if f not in wrappers)

@@ -1077,6 +1077,24 @@ def test_a_layout_missing_keys_is_refused():
     assert _one_line(info).startswith("the policy's layout lacks moe_classes, experts")
 
 
+def test_a_wrapper_with_no_forward_is_sharded_through_its_text_submodule():
+    """The layout's `text_submodule` (Qwen3-Omni's thinker): DeepSpeed is handed that submodule alone, the wrapper's
+    other top-level modules (a talker with its own MoE, a vocoder) are what stays whole; without the submodule the
+    policy refuses in one line; a layout without one shards the model itself."""
+    wrapper = nn.Module()
+    wrapper.thinker, wrapper.talker, wrapper.code2wav = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
+    outer, sub, whole = rt.text_submodule(wrapper, {"text_submodule": "thinker"})
+    assert outer is wrapper and sub is wrapper.thinker
+    assert [n for n, _ in whole] == ["talker", "code2wav"]
+    assert rt.text_submodule(wrapper, {}) == (wrapper, wrapper, [])
+    with pytest.raises(rt.PolicyError) as info:
+        rt.text_submodule(nn.Linear(2, 2), {"text_submodule": "thinker"})
+    assert _one_line(info).startswith("Linear has no text submodule 'thinker': hand init_inference the whole model")
+    rt.keep_whole(whole, wrapper.thinker, torch.bfloat16)
+    assert wrapper.talker.weight.dtype == wrapper.code2wav.weight.dtype == torch.bfloat16
+    assert wrapper.thinker.weight.dtype == torch.float32  # DeepSpeed's to convert, not this
+
+
 # ----------------------------------------------------------------------------------------------- probe
 
 

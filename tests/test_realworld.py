@@ -328,11 +328,12 @@ def test_source_hints_for_modular_files_and_config_paths(tmp_path):
 
 
 @pytest.mark.parametrize("model_type, nearest, stock", [
-    ("qwen3_omni_moe", "qwen3_moe", "silently wrong"), ("qwen2moe", "qwen2_moe", "not measured"),
+    ("longcat_flash", "deepseek_v3", "crashes"), ("qwen2moe", "qwen2_moe", "not measured"),
     ("bert", None, "not measured")])
 def test_unsupported_model_type_names_the_nearest_family_and_what_stock_autotp_does(tmp_path, model_type, nearest,
                                                                                      stock):
-    """Never "stock still runs": for qwen3_omni_moe that advice leads to silently wrong logits."""
+    """Never "stock still runs": for longcat_flash that advice leads to a crash (for a type stock runs silently wrong
+    on, to wrong logits)."""
     d = tmp_path / "m"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"model_type": model_type}))

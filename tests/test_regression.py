@@ -378,15 +378,18 @@ def test_native_loading_declared_for_fused_experts_only(entry: Entry) -> None:
         if isinstance(c, ast.ClassDef) and c.name.endswith(family.pretrained_class_suffix)
         and any(isinstance(b, ast.Name) and b.id == "PreTrainedModel" for b in c.bases)
     ]
-    assert len(bases) == 1, f"{entry.id}: {len(bases)} *PreTrainedModel base classes"
+    # one per family, or one per model of a wrapper whose models have bases of their own (Qwen3-Omni's talker)
+    assert bases, f"{entry.id}: no *PreTrainedModel base class"
     methods = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "is_custom_code"]
     if fused:
-        own = [n for n in bases[0].body if isinstance(n, ast.FunctionDef) and n.name == "is_custom_code"]
-        assert len(own) == 1 and methods == own, f"{entry.id}: is_custom_code must be on {bases[0].name} only"
-        method = own[0]
-        assert [ast.unparse(d) for d in method.decorator_list] == ["classmethod"]
-        returns = [n for n in ast.walk(method) if isinstance(n, ast.Return)]
-        assert len(returns) == 1 and isinstance(returns[0].value, ast.Constant) and returns[0].value.value is False
+        own = [[n for n in base.body if isinstance(n, ast.FunctionDef) and n.name == "is_custom_code"]
+               for base in bases]
+        assert all(len(o) == 1 for o in own) and sorted(m.lineno for m in methods) == sorted(
+            o[0].lineno for o in own), f"{entry.id}: is_custom_code must be on {[b.name for b in bases]} only"
+        for (method,) in own:
+            assert [ast.unparse(d) for d in method.decorator_list] == ["classmethod"]
+            returns = [n for n in ast.walk(method) if isinstance(n, ast.Return)]
+            assert len(returns) == 1 and isinstance(returns[0].value, ast.Constant) and returns[0].value.value is False
     else:
         assert not methods, f"{entry.id}: a per-expert source must not get is_custom_code"
 

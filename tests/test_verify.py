@@ -169,8 +169,11 @@ def test_stock_autotp_is_what_the_knob_improves_on(verified, family):
             assert stock["allreduce_per_forward"] == quoted.allreduces
             assert stock["bytes"]["experts"] == round(quoted.experts * stock["full_bytes"]["experts"])
         if STOCK_AUTOTP[family].wrong or (LEGACY and STOCK_AUTOTP[family].legacy_wrong):
-            # silently wrong (hunyuan_v1_moe: its router is split; granitemoe's on 4.x likewise); codegen not
-            assert stock["maxdiff"] > TOL >= ours["maxdiff"] and stock["bytes"]["gates"] < ours["bytes"]["gates"]
+            # silently wrong (hunyuan_v1_moe: its router is split; granitemoe's on 4.x likewise; qwen3_omni_moe: its
+            # attention heads are cut unevenly, the routers whole); codegen not
+            assert stock["maxdiff"] > TOL >= ours["maxdiff"]
+            if STOCK_AUTOTP[family].wrong_routers:
+                assert stock["bytes"]["gates"] < ours["bytes"]["gates"]
             continue
         assert stock["maxdiff"] <= TOL
         per_expert = any(c > 1 for c in stock["allreduce_per_moe_block"])

@@ -20,7 +20,7 @@ from __future__ import annotations
 from codegen.families.examples import EXAMPLES, FULL_WIDTH_CAPS, PUBLISHED_ROUTING_KEYS, Examples
 from codegen.families.kinds import ANCHOR_RETURNED_ROUTED, ANCHOR_RETURNED_SUM, ANCHOR_ROUTED_FINAL, \
     ANCHOR_ROUTED_STATEMENT, ANCHOR_SHARED_INPLACE_SUM, ANCHOR_SHARED_SUM, COMMON_SIZES, HEADS_AND_WIDTHS, \
-    IMAGE_FLAT_PATCHES, IMAGE_PATCH_ROWS, IMAGE_POSITIONED_PATCHES, IMAGE_SIZED, IMAGE_WHOLE, KNOB, SPARSE_LAYER, TEXT_CONFIG, VISION_CONFIG, Alias, Family, FusedExperts, Legacy, LinearAttention, \
+    IMAGE_FLAT_PATCHES, IMAGE_PATCH_ROWS, IMAGE_POSITIONED_PATCHES, IMAGE_SIZED, IMAGE_WHOLE, KNOB, SPARSE_LAYER, TEXT_CONFIG, VISION_CONFIG, AUDIO_CONFIG, Alias, Family, FusedExperts, Legacy, LinearAttention, \
     MoELayers, PerExpertMLP, QuantizedForm, Wrapper
 from codegen.families.stock import STOCK_AUTOTP, UNSUPPORTED_STOCK, StockAutoTP
 from codegen.families.table import ALIASES, FAMILIES
@@ -31,7 +31,7 @@ __all__ = [
     "ANCHOR_SHARED_INPLACE_SUM", "ANCHOR_SHARED_SUM",
     "COMMON_SIZES", "EXAMPLES", "FAMILIES", "FULL_WIDTH_CAPS", "HEADS_AND_WIDTHS", "IMAGE_FLAT_PATCHES",
     "IMAGE_PATCH_ROWS", "IMAGE_POSITIONED_PATCHES", "IMAGE_SIZED", "IMAGE_WHOLE", "KNOB", "NOT_YET", "PUBLISHED_ROUTING_KEYS", "REFUSED", "SPARSE_LAYER",
-    "STOCK_AUTOTP", "TEXT_CONFIG", "UNSUPPORTED", "UNSUPPORTED_STOCK", "VISION_CONFIG", "Alias", "Examples", "Family", "FusedExperts",
+    "STOCK_AUTOTP", "TEXT_CONFIG", "UNSUPPORTED", "UNSUPPORTED_STOCK", "VISION_CONFIG", "AUDIO_CONFIG", "Alias", "Examples", "Family", "FusedExperts",
     "Legacy", "LinearAttention", "MoELayers", "PerExpertMLP", "QuantizedForm", "StockAutoTP", "Unsupported",
     "Wrapper", "family_named", "fused_attr_names", "moe_class_names", "normalise_model_type", "sizes_of",
     "supported_model_types",
@@ -52,8 +52,13 @@ def supported_model_types() -> list[str]:
 
 
 def sizes_of(config: dict) -> dict:
-    """The keys a config.json's sizes are read from: a multimodal config nests its text decoder's in `text_config`."""
+    """The keys a config.json's sizes are read from: a multimodal config nests its text decoder's in `text_config`
+    (a wrapper run through a text submodule one level further down, in that submodule's config)."""
     text = config.get(TEXT_CONFIG)
+    if not isinstance(text, dict):
+        subs = [config.get(k) for k in SUBMODULE_CONFIGS]
+        text = next((s[TEXT_CONFIG] for s in subs if isinstance(s, dict) and isinstance(s.get(TEXT_CONFIG), dict)),
+                    None)
     nested = [config[k] for k in NESTED_SIZES if isinstance(config.get(k), dict)]
     if not nested:
         return {**text, **config} if isinstance(text, dict) else config
@@ -63,6 +68,9 @@ def sizes_of(config: dict) -> dict:
     return {**merged, **config}
 
 
+#: the config keys of wrappers' text submodules (`Wrapper.submodule_config`): each nests a `text_config`
+SUBMODULE_CONFIGS = tuple(dict.fromkeys(f.wrapper.submodule_config for f in FAMILIES.values()
+                                        if f.wrapper is not None and f.wrapper.submodule_config))
 #: sub-configs some family reads sizes from (`Family.nested_sizes`)
 NESTED_SIZES = tuple(dict.fromkeys(k for f in FAMILIES.values() for k in f.nested_sizes))
 

@@ -20,7 +20,8 @@ class Examples:
     routing, which the bench and README call `bench_label`; the full-width shape is derived from `published`, the
     project's copy of a real checkpoint's config (codegen/harness/published/), with two decoder layers and a small
     vocabulary (FULL_WIDTH_CAPS), then `full_overrides`. A multimodal wrapper's `tiny` is its text config; `vision`
-    its tiny vision tower, `wrapper` the wrapper's own keys (image token ids inside the tiny vocabulary).
+    its tiny vision tower, `wrapper` the wrapper's own keys (image token ids inside the tiny vocabulary); a wrapper
+    run through a text submodule nests them (and `audio`, `submodule`) in that submodule's config.
     """
 
     tiny: dict
@@ -30,6 +31,11 @@ class Examples:
     full_overrides: dict = field(default_factory=dict)
     vision: dict | None = None
     wrapper: dict = field(default_factory=dict)
+    #: a tiny audio tower (`audio_config`, beside `vision`), where the wrapper has one
+    audio: dict | None = None
+    #: a wrapper run through a text submodule (`Wrapper.submodule_config`): that config's own keys beside its text,
+    #: vision and audio configs (the image token ids); `wrapper` then holds the other top-level configs
+    submodule: dict = field(default_factory=dict)
     #: tiny keys a transformers 4.x config spells otherwise (replacing the same keys of `tiny` there)
     tiny_legacy: dict = field(default_factory=dict)
     #: decoder layers of `tiny` whose token mixer the row keeps whole (`Family.whole_modules`): no all-reduce each
@@ -413,4 +419,39 @@ EXAMPLES: dict[str, Examples] = {
                                     linear_num_key_heads=4, linear_num_value_heads=8, sliding_window=8,
                                     layer_types=["linear_attention", "sliding_attention", "full_attention"],
                                     eos_token_id=2)),
+    "qwen3_omni_moe": Examples(
+        # mk_tiny's shape (the hub checkpoints ship thinker + talker + code2wav): the thinker's text decoder is a
+        # Qwen3-MoE one (2 MoE layers), with tiny vision and audio towers; the talker a second tiny MoE with a
+        # shared expert, and a tiny code2wav, both whole on every rank
+        tiny=dict(_TINY, head_dim=16, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+                  num_experts_per_tok=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                          "mrope_section": [2, 3, 3], "interleaved": True}),
+        vision=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                    num_position_embeddings=16, deepstack_visual_indexes=[0], patch_size=8),
+        # the hub's audio windows (n_window 50, n_window_infer 100): its token count per clip assumes them, so a
+        # prompt holding a 100-frame clip fills 13 audio tokens
+        audio=dict(num_mel_bins=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, d_model=32,
+                   output_dim=64, n_window=50, n_window_infer=100, conv_chunksize=4, downsample_hidden_size=8,
+                   max_source_positions=64),
+        submodule=dict(_TINY_IMAGE_TOKENS, video_token_id=253, audio_token_id=254, audio_start_token_id=255,
+                       audio_end_token_id=249),
+        wrapper=dict(
+            talker_config=dict(
+                text_config=dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, moe_intermediate_size=16,
+                                 shared_expert_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                 max_position_embeddings=128, rope_parameters={
+                                     "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2],
+                                     "interleaved": True}),
+                code_predictor_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                           num_code_groups=4, max_position_embeddings=128),
+                num_code_groups=4, thinker_hidden_size=64, accept_hidden_layer=1, codec_eos_token_id=250,
+                codec_nothink_id=251, codec_think_bos_id=252, codec_think_eos_id=253, codec_pad_id=254,
+                codec_bos_id=255, speaker_id={"ethan": 249}, spatial_merge_size=2),
+            code2wav_config=dict(codebook_size=64, hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
+                                 intermediate_size=64, num_hidden_layers=1, num_quantizers=4, sliding_window=8,
+                                 upsample_rates=[2, 2], upsampling_ratios=[2, 2], decoder_dim=32,
+                                 max_position_embeddings=128)),
+    ),
 }

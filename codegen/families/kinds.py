@@ -61,6 +61,8 @@ IMAGE_POSITIONED_PATCHES = "positioned_patches"
 TEXT_CONFIG = "text_config"
 #: the nested vision config of a multimodal config
 VISION_CONFIG = "vision_config"
+#: the nested audio config of a multimodal config with an audio tower
+AUDIO_CONFIG = "audio_config"
 
 
 @dataclass(frozen=True)
@@ -182,6 +184,13 @@ class Wrapper:
     #: the wrapper's own forward does not run its text decoder (Llama 4 on transformers 5.x reads an output field its
     #: text model no longer returns): the harness and `serve` load its checkpoints as `causal_lm`, text only
     runs_as_causal_lm: bool = False
+    #: the wrapper has no forward of its own: this attribute is its text model, itself a causal LM holding the towers
+    #: and the decoder (Qwen3-Omni's `thinker`); the policy hands DeepSpeed this submodule alone, so the wrapper's
+    #: other top-level modules (a speech generator with its own MoE, a vocoder) stay whole on every rank, and the
+    #: harness and `serve` run it ("" = the wrapper runs itself)
+    text_submodule: str = ""
+    #: the config key of `text_submodule`'s config (it nests `text_config`, the towers' configs and the image tokens)
+    submodule_config: str = ""
 
 
 @dataclass(frozen=True)
@@ -458,6 +467,9 @@ class Family:
             "attention_head_linears": list(self.attention_head_linears),
             "attention_attrs": list(self.attention_attrs),
             "replicated": list(self.wrapper.replicated) if self.wrapper else [],
+            # only where a row names one: the other policies stay byte-identical
+            **({"text_submodule": self.wrapper.text_submodule} if self.wrapper and self.wrapper.text_submodule
+               else {}),
             "name_clashes": list(self.deepspeed_name_clashes),
             "moe_block_attrs": list(self.moe_block_attrs),
             "tp_divisible": list(self.tp_divisible_keys),

@@ -22,6 +22,9 @@ class StockAutoTP:
     #: experts' bytes each rank holds (tests/test_verify.py asserts both; the README quotes them)
     allreduces: int = 0
     experts: float = 0.0
+    #: where `wrong` (or `legacy_wrong`, on 4.x): its routers are split (each rank holds fewer router bytes than
+    #: codegen's whole ones); False: the routers stay whole and something else is cut wrongly (said in `why`)
+    wrong_routers: bool = True
     #: it runs on the family's transformers 4.x sources but its logits are wrong there, and why ("" = as on 5.x)
     legacy_wrong: str = ""
     #: a multimodal wrapper with an image in the prompt: the start of its crash line, or its all-reduces
@@ -127,11 +130,17 @@ STOCK_AUTOTP: dict[str, StockAutoTP] = {
     "axk2": StockAutoTP(crash=_SHAPES_DIFFER,
                         why="the gated RMSNorm's low-rank gate is cut: fc1's output rows, not fc2's input columns"),
     "lara_mini": StockAutoTP(crash=_SIZES_DIFFER, why=_GATED_DELTA_NET),
+    "qwen3_omni_moe": StockAutoTP(why="handed the whole wrapper, it cuts the thinker's q_proj at its 64-wide grain "
+                                      "(rank 1 gets no query head) but k/v by heads: rank 0's queries meet half the "
+                                      "kv heads; its experts stay replicated, its LM head whole",
+                                  wrong=True, wrong_routers=False, allreduces=2, experts=1.0,
+                                  legacy_wrong="on 4.x it reduces once per executed expert (8 per MoE layer), its "
+                                               "attention cut as unevenly (max Δlogits 1.5e-2)",
+                                  image_crash="RuntimeError: shape"),
 }
 
 #: what stock DeepSpeed 0.19.8 AutoTP does to the unpatched tiny checkpoint of a model type codegen does not patch
 #: (TP=2, CPU, transformers 5.24.0; issue 27's measurements): `patch`'s refusal quotes it, so it never sends a user
 #: to a path that crashes or is silently wrong. A type left out is not measured, and the refusal says so.
 UNSUPPORTED_STOCK: dict[str, str] = {
-    "qwen3_omni_moe": "runs but is silently wrong (max Δlogits 1.7e-2, its experts replicated)",
 }

@@ -92,7 +92,7 @@ FAMILIES: dict[str, Family] = table(
         model_type="qwen3_moe", config_class="Qwen3MoeConfig", moe_classes=("Qwen3MoeSparseMoeBlock",),
         # 4.x writes num_experts; 5.x writes num_local_experts
         num_experts_keys=("num_experts", "num_local_experts"), more_positive_ints=("head_dim",), layers=_QWEN_LAYERS,
-        known_good=("4.51.0", "4.51.3", "4.54.1", "4.55.4", "4.57.6", "5.0.0", "5.24.0"), relatives=("qwen3_omni_moe",),
+        known_good=("4.51.0", "4.51.3", "4.54.1", "4.55.4", "4.57.6", "5.0.0", "5.24.0"),
     ),
     Family(
         model_type="mixtral", config_class="MixtralConfig", moe_classes=("MixtralSparseMoeBlock",),
@@ -571,6 +571,20 @@ FAMILIES: dict[str, Family] = table(
         more_positive_ints=("head_dim", *_LINEAR_HEAD_KEYS), tp_divisible_keys=_QWEN_HYBRID_TP,
         attention_attrs=("self_attn", _QWEN_LINEAR_ATTN), linear_attention=_QWEN3_5_GATED_DELTA_NET,
         known_good=("5.24.0",),
+    ),
+    Family(
+        # Qwen3-Omni: the wrapper has no forward; its text model `thinker` (audio and vision towers, a Qwen3-MoE
+        # decoder) runs and is sharded; the talker (a second MoE, with a shared expert) and code2wav stay whole
+        model_type="qwen3_omni_moe", config_class="Qwen3OmniMoeConfig",
+        moe_classes=("Qwen3OmniMoeThinkerTextSparseMoeBlock",), num_experts_keys=("num_experts",),
+        more_positive_ints=("head_dim",), layers=_QWEN_LAYERS,
+        # no image-text-to-text class: transformers 5.x maps it as a multimodal LM, 4.x as text-to-waveform only
+        auto_classes={"AutoModelForMultimodalLM": "Qwen3OmniMoeForConditionalGeneration",
+                      "AutoModelForTextToWaveform": "Qwen3OmniMoeForConditionalGeneration"},
+        wrapper=Wrapper(replicated=("audio_tower", "visual"), image_input=IMAGE_FLAT_PATCHES,
+                        image_start_key="vision_start_token_id", image_end_key="vision_end_token_id",
+                        text_submodule="thinker", submodule_config="thinker_config"),
+        known_good=("4.57.1", "4.57.6", "5.0.0", "5.24.0"),
     ),
 )
 

@@ -34,9 +34,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     **{t: Unsupported(NOT_YET, "a multimodal wrapper over a text MoE, not verified yet") for t in (
         "aria", "hy_v4_vl", "minimax_m3_vl",
         "muse_spark", "deepseek_ocr2", "unlimited_ocr", "dots3_note", "nemotron_h_omni")},
-    "qwen3_omni_moe": Unsupported(NOT_YET, "the wrapper has no forward: its text model is `thinker`, beside a second "
-                                           "MoE (the talker, a shared expert) and code2wav; needs a wrapper kind that "
-                                           "runs the thinker and keeps the talker and code2wav whole"),
     "granitemoe_swa": Unsupported(NOT_YET, "the shared MLP is added in the decoder layer, not the MoE block"),
     "hy_v4": Unsupported(NOT_YET, "hyper-connections and a DSA indexer: not verified yet"),
     "jetmoe": Unsupported(REFUSED, "mixture of attention heads: its routed attention experts cannot be sharded "

@@ -14,7 +14,8 @@ from functools import lru_cache
 from pathlib import Path
 
 from codegen import versions
-from codegen.families import EXAMPLES, FAMILIES, FULL_WIDTH_CAPS, PUBLISHED_ROUTING_KEYS, TEXT_CONFIG, VISION_CONFIG
+from codegen.families import EXAMPLES, FAMILIES, FULL_WIDTH_CAPS, PUBLISHED_ROUTING_KEYS, TEXT_CONFIG, VISION_CONFIG, \
+    AUDIO_CONFIG
 from codegen.modeldir.layout import CONFIG
 
 #: the example sizes, as `build_example(size=...)` names them
@@ -86,9 +87,12 @@ def example_config(family: str, size: str = "tiny", overrides: dict | None = Non
         values.update(EXAMPLES[family].tiny_legacy)  # 4.x spells some keys otherwise
     if row.wrapper is None:
         return getattr(transformers, row.config_class)(**values)
-    return transformers.AutoConfig.for_model(row.model_type, **{TEXT_CONFIG: _for_installed(values),
-                                                                VISION_CONFIG: dict(EXAMPLES[family].vision or {})},
-                                             **EXAMPLES[family].wrapper)
+    example = EXAMPLES[family]
+    subs = {TEXT_CONFIG: _for_installed(values), VISION_CONFIG: dict(example.vision or {}),
+            **({AUDIO_CONFIG: dict(example.audio)} if example.audio is not None else {})}
+    if row.wrapper.submodule_config:  # the towers and the text config one level down, in the text submodule's
+        subs = {row.wrapper.submodule_config: {**subs, **example.submodule}}
+    return transformers.AutoConfig.for_model(row.model_type, **subs, **_for_installed_nested(example.wrapper))
 
 
 def _for_installed(text: dict) -> dict:
@@ -101,11 +105,18 @@ def _for_installed(text: dict) -> dict:
     return {**text, "rope_theta": rope.pop("rope_theta", 10000.0), "rope_scaling": rope}
 
 
+def _for_installed_nested(values: dict) -> dict:
+    """`_for_installed` on every `text_config` nested in a wrapper's other configs (a talker's)."""
+    return {k: ({**v, TEXT_CONFIG: _for_installed(dict(v[TEXT_CONFIG]))} if isinstance(v, dict)
+                and isinstance(v.get(TEXT_CONFIG), dict) else v) for k, v in values.items()}
+
+
 def model_class(family: str):
-    """The auto class a family's checkpoints load with: the first of its `auto_classes`."""
+    """The auto class a family's checkpoints load with: the first of its `auto_classes` the installed transformers
+    has (4.x lacks some: `AutoModelForMultimodalLM`)."""
     import transformers
 
-    return getattr(transformers, next(iter(FAMILIES[family].auto_classes)))
+    return next(getattr(transformers, name) for name in FAMILIES[family].auto_classes if hasattr(transformers, name))
 
 
 def build_example(family: str, out_dir: Path, size: str = "tiny", seed: int = 0, dtype: str = "float32",

@@ -44,13 +44,15 @@ def _pixels(family: Family, vision, batch: int, generator: torch.Generator) -> d
     raise ValueError(f"{family.model_type}: unknown image input kind {kind!r}")
 
 
-def image_inputs(model, ids: torch.Tensor) -> dict | None:
+def image_inputs(model, ids: torch.Tensor, family: Family | None = None) -> dict | None:
     """Forward kwargs putting one image at the start of every prompt of `ids` (None: the model's family takes no
     image): `input_ids` with the start / placeholder / end tokens, the pixels, and what the family's forward
-    also takes (`image_grid_thw`, `mm_token_type_ids`)."""
+    also takes (`image_grid_thw`, `mm_token_type_ids`). `family`: the dir's, where the model that runs is a
+    wrapper's text submodule (its config names another model type); else the model's own."""
     config = model.config
-    name = normalise_model_type(getattr(config, "model_type", None))
-    family = family_named(name) if name else None
+    if family is None:
+        name = normalise_model_type(getattr(config, "model_type", None))
+        family = family_named(name) if name else None
     wrapper = family.wrapper if family is not None else None
     if wrapper is None or not wrapper.image_input:
         return None
@@ -58,11 +60,13 @@ def image_inputs(model, ids: torch.Tensor) -> dict | None:
     batch = ids.shape[0]
     pixels = {k: v.to(ids.device) for k, v in _pixels(family, vision, batch, torch.Generator().manual_seed(2)).items()}
     one = {k: v[: v.shape[0] // batch] for k, v in pixels.items()}
-    if "vision_feature_layer" in inspect.signature(model.model.get_image_features).parameters:
+    # the base model's, else the model's own (4.x Qwen3-Omni's thinker: its `model` is the text decoder)
+    owner = model.model if hasattr(model.model, "get_image_features") else model
+    if "vision_feature_layer" in inspect.signature(owner.get_image_features).parameters:
         # its forward fills this from the config; called on its own, it must be given (Mistral 3 and kin)
         one["vision_feature_layer"] = getattr(config, "vision_feature_layer", -1)
     with torch.no_grad():
-        first = model.model.get_image_features(**one)
+        first = owner.get_image_features(**one)
     # 5.x: an output whose pooler_output lists each image's features; 4.x: a tuple led by them
     first = getattr(first, "pooler_output", first)
     while isinstance(first, (list, tuple)):

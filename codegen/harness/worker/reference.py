@@ -14,7 +14,7 @@ import torch
 
 from codegen.harness.worker.images import image_inputs
 from codegen.harness.worker.model_figures import cache_of, gate_types, gate_weights, param_bytes
-from codegen.models import has_remote_code, load
+from codegen.models import dir_family, has_remote_code, load, runs_as
 from codegen.harness.worker.run import Run
 
 
@@ -29,7 +29,7 @@ class Reference:
     def __init__(self, run: Run, directory: str, ids: torch.Tensor, generate: int, decode_steps: int,
                  image: bool = False) -> None:
         t0 = time.perf_counter()
-        model = load(directory, has_remote_code(directory), torch.float32).to(run.device)
+        model = runs_as(load(directory, has_remote_code(directory), torch.float32)).to(run.device)
         t1 = time.perf_counter()
         self.prefill_s, self.decode_s, self.forced, self.step_logits = [], [], [], []
         with torch.no_grad():
@@ -54,7 +54,7 @@ class Reference:
                     self.step_logits.append(out.logits.float().cpu())
                     cache, token = cache_of(out), out.logits[:, -1:].argmax(-1)
             # last: a wrapper may keep state from an image forward (4.x GLM-4V keeps its rope deltas)
-            self.image = image_inputs(model, ids) if image else None
+            self.image = image_inputs(model, ids, dir_family(directory)) if image else None
             self.image_logits = model(**self.image).logits.float().cpu() if self.image is not None else None
         self.timings = {"reference_load_s": t1 - t0, "reference_forward_s": t2 - t1,
                         "reference_generate_s": time.perf_counter() - t2}
@@ -84,7 +84,7 @@ def single_process_error(run: Run, directory: str, ids: torch.Tensor, ref: Refer
     What a tensor-parallel run at that dtype is judged against: its rounding differs from this one's
     (partial sums rounded per rank) but should be of the same size.
     """
-    model = load(directory, has_remote_code(directory), run.dtype).to(run.device)
+    model = runs_as(load(directory, has_remote_code(directory), run.dtype)).to(run.device)
     agreeing = total = 0
     with torch.no_grad():
         out = model(ids, use_cache=True)

@@ -9,7 +9,7 @@ import os
 import torch
 
 from codegen.harness.worker.counting import CollectiveCounter, SkippedReductions
-from codegen.models import has_remote_code, load, load_policy
+from codegen.models import has_remote_code, load, load_policy, runs_as
 from codegen.harness.worker.protocol import PROGRESS
 
 #: how progress lines name each setup of the ab phase
@@ -53,16 +53,17 @@ class Run:
             extra = {"tensor_parallel": grain} if grain else {}
             # no dtype on CPU: the policy keeps the loaded model's (the default a user relies on; DeepSpeed's is fp16)
             dtype = {"dtype": self.dtype} if self.device_kind != "cpu" else {}
-            return policy.init_inference(model, tp_size=self.tp, **extra, **dtype).module
+            # the whole model: a wrapper run through its text submodule has the policy shard that one, the engine's
+            return runs_as(policy.init_inference(model, tp_size=self.tp, **extra, **dtype).module)
         if phase == "native":  # transformers' own TP plan over the same ranks (loads each rank's shard)
-            return load(job["reference"], has_remote_code(job["reference"]), self.dtype, tp_plan="auto")
+            return runs_as(load(job["reference"], has_remote_code(job["reference"]), self.dtype, tp_plan="auto"))
         if phase == "single":  # the unpatched model in this one process (a launch of one rank, every core)
-            return load(job["reference"], has_remote_code(job["reference"]), self.dtype)
-        if phase == "stock":
+            return runs_as(load(job["reference"], has_remote_code(job["reference"]), self.dtype))
+        if phase == "stock":  # the whole model, as a user hands it to stock AutoTP
             model = load(job["reference"], has_remote_code(job["reference"]), self.dtype)
-            return deepspeed.init_inference(model, tensor_parallel={"tp_size": self.tp, **grain}, dtype=self.dtype,
-                                            replace_with_kernel_inject=False).module
-        return load(job["model"], True, self.dtype)  # no-policy
+            return runs_as(deepspeed.init_inference(model, tensor_parallel={"tp_size": self.tp, **grain},
+                                                    dtype=self.dtype, replace_with_kernel_inject=False).module)
+        return runs_as(load(job["model"], True, self.dtype))  # no-policy
 
 
 # ------------------------------------------------------------------------------------ a stock crash, recorded

@@ -37,7 +37,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'dbrx', 'moe_classes': ['DbrxFFN'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'flat_rows', 'gate_up': 'mlp.w1', 'down': 'mlp.w2', 'size_attr': 'mlp.ffn_hidden_size', 'gate_up_bias': '', 'down_bias': '', 'up': 'mlp.v1'}, 'shared': [], 'routers': ['router'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['norm_attn_norm'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['ffn'], 'tp_divisible': ['ffn_hidden_size'], 'linear_attention': None, 'whole_modules': ['DbrxAttention', 'DbrxSdpaAttention', 'DbrxFlashAttention2']}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_dbrx'
-RUNTIME_SHA256 = '58e370e9014cc89151379d7c6b727da85eaa1f0bb925ed84c693d414aa0a9687'
+RUNTIME_SHA256 = '583d30c7212f828d506b24fb7ed337350822ecd621b8a0236b50dd6051d3907a'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -1518,6 +1518,7 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
     layout = _checked_layout(layout)
     deepspeed, dist = _import_deepspeed()
     check_patched(model, layout)
+    wrapper, model, whole = text_submodule(model, layout)
     check_sizes(model.config, tp_size, layout)
     notes = []
     if not dist.is_initialized():
@@ -1526,7 +1527,7 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
             raise PolicyError(problem)
         deepspeed.init_distributed()
         destroy_group_at_exit(dist)
-    coalesce = bool(getattr(model.config, knob, False))
+    coalesce = bool(getattr(wrapper.config, knob, False))
     blocks = moe_blocks(model, layout)
     if coalesce and not blocks:
         raise PolicyError(f"no {' / '.join(layout['moe_classes'])} blocks in the model: "
@@ -1591,10 +1592,35 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
         for name, block in blocks:
             shard_experts(block, name, rank, world, layout, column, row)
             setattr(block, REDUCER_ATTR, reducer)
+    keep_whole(whole, engine.module, deepspeed_kwargs["dtype"])
     if world > 1:
         keep_in_lockstep(engine.module, dist, group, _device_of(engine.module))
     say(dist.get_rank(), notes)
     return engine
+
+
+def text_submodule(model, layout):
+    """(wrapper, model to shard, the wrapper's other top-level modules).
+
+    A wrapper with no forward of its own runs through its text submodule (the layout's `text_submodule`, a causal
+    LM): DeepSpeed is handed that submodule alone, so the wrapper's other modules (a speech generator with its own
+    MoE, a vocoder) never reach it and stay whole on every rank; the engine's module is the submodule, what runs.
+    """
+    name = layout.get("text_submodule")
+    if not name:
+        return model, model, []
+    sub = getattr(model, name, None)
+    if not isinstance(sub, torch.nn.Module):
+        raise PolicyError(f"{type(model).__name__} has no text submodule {name!r}: hand init_inference the whole "
+                          "model loaded from the patched dir")
+    return model, sub, [(n, m) for n, m in model.named_children() if m is not sub]
+
+
+def keep_whole(modules, sharded, dtype):
+    """The wrapper's modules DeepSpeed never saw, in the engine's dtype and on its device, whole on every rank."""
+    device = _device_of(sharded)
+    for _name, module in modules:
+        module.to(device=device, dtype=dtype)
 
 
 def _device_of(model):
