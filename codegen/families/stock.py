@@ -72,6 +72,7 @@ STOCK_AUTOTP: dict[str, StockAutoTP] = {
     "flex_olmo": _QK_NORM,
     "minimax_m2": _QK_NORM,
     "step3p7": StockAutoTP(**_RUNS_5, image_allreduces=7),
+    "aria": StockAutoTP(**_RUNS_5, image_allreduces=7),
     "qwen3_vl_moe": StockAutoTP(**_RUNS_3, image_crash=_SHAPES_DIFFER),
     "glm4v_moe": StockAutoTP(**_RUNS_5, image_crash=_SHAPES_DIFFER),
     "kimi_k25": StockAutoTP(**_RUNS_5, image_crash=_SHAPES_DIFFER),

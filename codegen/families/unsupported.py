@@ -31,8 +31,12 @@ UNSUPPORTED: dict[str, Unsupported] = {
                  "inkling2_loop_text")},
     "zaya": Unsupported(NOT_YET, "CCA attention (grouped conv, key residual averaged over a group's query heads): "
                                  "needs its own kind, exact only up to tp = num_key_value_heads"),
+    "hy_v4_vl": Unsupported(NOT_YET, "its text decoder is hy_v4's (hyper-connections and a DSA indexer), itself "
+                                     "not yet"),
+    "minimax_m3_vl": Unsupported(NOT_YET, "its block-sparse indexer's attention mask holds one block selection per "
+                                          "KV group, repeated to every query head: it must be cut with the heads "
+                                          "(needs an indexer kind)"),
     **{t: Unsupported(NOT_YET, "a multimodal wrapper over a text MoE, not verified yet") for t in (
-        "aria", "hy_v4_vl", "minimax_m3_vl",
         "muse_spark", "deepseek_ocr2", "unlimited_ocr", "dots3_note", "nemotron_h_omni")},
     "granitemoe_swa": Unsupported(NOT_YET, "the shared MLP is added in the decoder layer, not the MoE block"),
     "hy_v4": Unsupported(NOT_YET, "hyper-connections and a DSA indexer: not verified yet"),
