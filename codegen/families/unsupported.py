@@ -33,7 +33,7 @@ UNSUPPORTED: dict[str, Unsupported] = {
                                  "needs its own kind, exact only up to tp = num_key_value_heads"),
     **{t: Unsupported(NOT_YET, "a multimodal wrapper over a text MoE, not verified yet") for t in (
         "aria", "hy_v4_vl", "minimax_m3_vl",
-        "muse_spark", "deepseek_ocr2", "unlimited_ocr", "dots3_note", "nemotron_h_omni")},
+        "muse_spark", "deepseek_ocr2", "unlimited_ocr", "dots3_note")},
     "granitemoe_swa": Unsupported(NOT_YET, "the shared MLP is added in the decoder layer, not the MoE block"),
     "hy_v4": Unsupported(NOT_YET, "hyper-connections and a DSA indexer: not verified yet"),
     "jetmoe": Unsupported(REFUSED, "mixture of attention heads: its routed attention experts cannot be sharded "
