@@ -33,7 +33,13 @@ UNSUPPORTED: dict[str, Unsupported] = {
                                  "needs its own kind, exact only up to tp = num_key_value_heads"),
     **{t: Unsupported(NOT_YET, "a multimodal wrapper over a text MoE, not verified yet") for t in (
         "aria", "hy_v4_vl", "minimax_m3_vl",
-        "muse_spark", "deepseek_ocr2", "unlimited_ocr", "dots3_note")},
+        "muse_spark")},
+    "deepseek_ocr2": Unsupported(NOT_YET, "a SAM + Qwen2 vision tower over its own DeepSeek-V2-style MoE decoder "
+                                          "(DeepseekOcr2TextMoe, in the wrapper's module): a row not verified yet"),
+    "unlimited_ocr": Unsupported(NOT_YET, "DeepSeek-OCR-2's wrapper and MoE decoder with a reference sliding-window "
+                                          "cache of its own: a row not verified yet"),
+    "dots3_note": Unsupported(NOT_YET, "vision and audio towers over its own MLA + DSA-indexer MoE decoder (rescaled "
+                                       "q/kv latents): a row not verified yet"),
     "granitemoe_swa": Unsupported(NOT_YET, "the shared MLP is added in the decoder layer, not the MoE block"),
     "hy_v4": Unsupported(NOT_YET, "hyper-connections and a DSA indexer: not verified yet"),
     "jetmoe": Unsupported(REFUSED, "mixture of attention heads: its routed attention experts cannot be sharded "
