@@ -74,7 +74,8 @@ RELEASES: dict[str, str] = {
     "5.15.0": "d7f007736f67749ae9490c4f8cb5d30b452ae2d68c8675e50ba8d63ea7feb107",  # first with axk1, axk2
     "5.16.0": "2b4adda8d99bb4c1b208da5ed967e2625ad449087827a750cb3b23ce4000b139",  # first with step3p7
     "5.17.0": "78ec1ce21579b38dfb83950a0658cd119f87212a2fcfdff478096ce9d6c03801",  # first with kimi_linear, glm5_next
-    "5.18.0": "d79e5a515a572ee3deb33eb0d578be47d91e70c75d54cf21bf6eede6edef14a9",  # first with aria's gate_up_proj experts
+    # first with aria's gate_up_proj experts, and with nemotron_h_omni
+    "5.18.0": "d79e5a515a572ee3deb33eb0d578be47d91e70c75d54cf21bf6eede6edef14a9",
     "5.20.0": "5f4afd201f9ae5118b006513a0f647962b531de5592043e558a66d326378685b",  # first with bailing_hybrid, kolibri1
     "5.21.0": "8803a8712932aa3441c1e8bb340e66d5e3eca079fe65d9b717ede2f3ead01c79",  # first with beam, flint
     "5.22.0": "3cca65f94b0aa33511433c7c1a661c513e4ad8bc0504cb370d181d771e7c9aa0",  # first with mistral_large4

@@ -427,6 +427,19 @@ EXAMPLES: dict[str, Examples] = {
                                     linear_num_key_heads=4, linear_num_value_heads=8, sliding_window=8,
                                     layer_types=["linear_attention", "sliding_attention", "full_attention"],
                                     eos_token_id=2)),
+    "nemotron_h_omni": Examples(
+        # nemotron_h's tiny decoder under a tiny RADIO vision tower (hub checkpoints also ship a Parakeet audio
+        # tower, which the wrapper builds only with an `audio_config`: left out here)
+        tiny=dict(_TINY, num_hidden_layers=5, layers_block_type=["linear_attention", "moe", "full_attention", "mlp",
+                                                                  "moe"],
+                  head_dim=16, intermediate_size=128, n_routed_experts=8, n_shared_experts=1,
+                  moe_intermediate_size=32, moe_shared_expert_intermediate_size=64, num_experts_per_tok=2, n_group=1,
+                  topk_group=1, mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16, chunk_size=4),
+        vision=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=8, image_size=32,
+                    max_img_size=64, num_cls_tokens=1, num_registers=1, video_temporal_patch_size=2),
+        wrapper=dict(image_token_id=250, video_token_id=251, audio_token_id=252, vision_hidden_size=32,
+                     projector_hidden_size=64),
+        whole_mixers=1, dense_mixers=1),
     "qwen3_omni_moe": Examples(
         # mk_tiny's shape (the hub checkpoints ship thinker + talker + code2wav): the thinker's text decoder is a
         # Qwen3-MoE one (2 MoE layers), with tiny vision and audio towers; the talker a second tiny MoE with a

@@ -131,6 +131,9 @@ STOCK_AUTOTP: dict[str, StockAutoTP] = {
     "axk2": StockAutoTP(crash=_SHAPES_DIFFER,
                         why="the gated RMSNorm's low-rank gate is cut: fc1's output rows, not fc2's input columns"),
     "lara_mini": StockAutoTP(crash=_SIZES_DIFFER, why=_GATED_DELTA_NET),
+    "nemotron_h_omni": StockAutoTP(crash="RuntimeError: split_with_sizes expects split_sizes to sum exactly to",
+                                   why="its Nemotron-H decoder's Mamba-2 in_proj is cut in contiguous rows, its split "
+                                       "sizes stay global"),
     "qwen3_omni_moe": StockAutoTP(why="handed the whole wrapper, it cuts the thinker's q_proj at its 64-wide grain "
                                       "(rank 1 gets no query head) but k/v by heads: rank 0's queries meet half the "
                                       "kv heads; its experts stay replicated, its LM head whole",

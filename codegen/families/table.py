@@ -56,6 +56,24 @@ _QWEN_HYBRID_TP = ("num_attention_heads", "num_key_value_heads", "linear_num_key
 #: head
 _QWEN3_5_GATED_DELTA_NET = LinearAttention(attr=_QWEN_LINEAR_ATTN, projections=(
     ("in_proj_qkv", ("key_dim", "key_dim", "value_dim")), ("in_proj_z", ()), ("in_proj_b", ()), ("in_proj_a", ())))
+#: the Nemotron-H decoder, saved alone and in the Omni wrapper (whose decoder is this module)
+_NEMOTRON_H = dict(
+    moe_classes=("NemotronHMoE",),
+    # non-gated experts (relu2(up x), then down) behind the block's latent projections (nn.Identity without
+    # `moe_latent_size`), which stay whole; the shared expert and the dense MLP blocks are non-gated too
+    fused=FusedExperts(kind=FUSED_UP_ROWS, gate_up="", up="up_proj", down="down_proj",
+                       latent_in="fc1_latent_proj", latent_out="fc2_latent_proj"),
+    per_expert=PerExpertMLP(gate="", up="up_proj", down="down_proj"),
+    **_DEEPSEEK_MOE, more_positive_ints=(*_GROUPS, "head_dim", "intermediate_size",
+                                         "moe_shared_expert_intermediate_size", "mamba_num_heads"),
+    tp_divisible_keys=("num_attention_heads", "num_key_value_heads", "moe_intermediate_size",
+                       "moe_shared_expert_intermediate_size", "intermediate_size"),
+    # a block is one mixer (Mamba-2, attention, MoE or a dense MLP) under `mixer`; the Mamba-2 mixer (n_groups
+    # B/C groups, a gated norm over its groups) whole on every rank, its conv and SSM caches whole
+    moe_block_attrs=("mixer",), attention_attrs=("mixer",), whole_modules=("NemotronHMamba2Mixer",),
+    # `layers_block_type` (5.x), else the hub's `hybrid_override_pattern` ("M", "E", "*", "-" per block)
+    layers=MoELayers(types="layers_block_type", pattern="hybrid_override_pattern", sparse_marks=("moe", "E")),
+)
 #: the Qwen3.5 MoE decoder, in the multimodal wrapper and saved alone (one module)
 _QWEN3_5_DECODER = dict(
     moe_classes=("Qwen3_5MoeSparseMoeBlock",), **_QWEN_SHARED_EXPERT,
@@ -496,21 +514,7 @@ FAMILIES: dict[str, Family] = table(
         known_good=("4.57.1", "4.57.6", "5.0.0", "5.24.0"),
     ),
     Family(
-        model_type="nemotron_h", config_class="NemotronHConfig", moe_classes=("NemotronHMoE",),
-        # non-gated experts (relu2(up x), then down) behind the block's latent projections (nn.Identity without
-        # `moe_latent_size`), which stay whole; the shared expert and the dense MLP blocks are non-gated too
-        fused=FusedExperts(kind=FUSED_UP_ROWS, gate_up="", up="up_proj", down="down_proj",
-                           latent_in="fc1_latent_proj", latent_out="fc2_latent_proj"),
-        per_expert=PerExpertMLP(gate="", up="up_proj", down="down_proj"),
-        **_DEEPSEEK_MOE, more_positive_ints=(*_GROUPS, "head_dim", "intermediate_size",
-                                             "moe_shared_expert_intermediate_size", "mamba_num_heads"),
-        tp_divisible_keys=("num_attention_heads", "num_key_value_heads", "moe_intermediate_size",
-                           "moe_shared_expert_intermediate_size", "intermediate_size"),
-        # a block is one mixer (Mamba-2, attention, MoE or a dense MLP) under `mixer`; the Mamba-2 mixer (n_groups
-        # B/C groups, a gated norm over its groups) whole on every rank, its conv and SSM caches whole
-        moe_block_attrs=("mixer",), attention_attrs=("mixer",), whole_modules=("NemotronHMamba2Mixer",),
-        # `layers_block_type` (5.x), else the hub's `hybrid_override_pattern` ("M", "E", "*", "-" per block)
-        layers=MoELayers(types="layers_block_type", pattern="hybrid_override_pattern", sparse_marks=("moe", "E")),
+        model_type="nemotron_h", config_class="NemotronHConfig", **_NEMOTRON_H,
         known_good=("5.3.0", "5.24.0"),
     ),
     Family(
@@ -585,6 +589,19 @@ FAMILIES: dict[str, Family] = table(
         more_positive_ints=("head_dim", *_LINEAR_HEAD_KEYS), tp_divisible_keys=_QWEN_HYBRID_TP,
         attention_attrs=("self_attn", _QWEN_LINEAR_ATTN), linear_attention=_QWEN3_5_GATED_DELTA_NET,
         known_good=("5.24.0",),
+    ),
+    Family(
+        # Nemotron 3 Omni: a RADIO vision tower (and a Parakeet audio tower) with their projectors, whole on every
+        # rank, over a Nemotron-H causal LM the wrapper builds with `AutoModelForCausalLM.from_config`, sharded.
+        # Text only: its image input is flat patches with an (h, w) `image_grid_hw`, which no image kind feeds yet
+        model_type="nemotron_h_omni", config_class="NemotronH_Omni_Reasoning_V3_Config",
+        # one class, no `*Model` of its own: transformers maps the type as image-text-to-text only
+        auto_classes={"AutoModelForImageTextToText": "NemotronH_Omni_Reasoning_V3"},
+        **_NEMOTRON_H,
+        wrapper=Wrapper(replicated=("vision_model", "vision_final_layernorm", "multi_modal_projector", "audio_tower",
+                                    "embed_audio"),
+                        text_model="NemotronHForCausalLM", text_family="nemotron_h"),
+        known_good=("5.18.0", "5.24.0"),
     ),
     Family(
         # Qwen3-Omni: the wrapper has no forward; its text model `thinker` (audio and vision towers, a Qwen3-MoE

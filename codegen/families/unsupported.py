@@ -36,8 +36,13 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "minimax_m3_vl": Unsupported(NOT_YET, "its block-sparse indexer's attention mask holds one block selection per "
                                           "KV group, repeated to every query head: it must be cut with the heads "
                                           "(needs an indexer kind)"),
-    **{t: Unsupported(NOT_YET, "a multimodal wrapper over a text MoE, not verified yet") for t in (
-        "muse_spark", "deepseek_ocr2", "unlimited_ocr", "dots3_note", "nemotron_h_omni")},
+    "muse_spark": Unsupported(NOT_YET, "a multimodal wrapper over a text MoE, not verified yet"),
+    "deepseek_ocr2": Unsupported(NOT_YET, "a SAM + Qwen2 vision tower over its own DeepSeek-V2-style MoE decoder "
+                                          "(DeepseekOcr2TextMoe, in the wrapper's module): a row not verified yet"),
+    "unlimited_ocr": Unsupported(NOT_YET, "DeepSeek-OCR-2's wrapper and MoE decoder with a reference sliding-window "
+                                          "cache of its own: a row not verified yet"),
+    "dots3_note": Unsupported(NOT_YET, "vision and audio towers over its own MLA + DSA-indexer MoE decoder (rescaled "
+                                       "q/kv latents): a row not verified yet"),
     "granitemoe_swa": Unsupported(NOT_YET, "the shared MLP is added in the decoder layer, not the MoE block"),
     "hy_v4": Unsupported(NOT_YET, "hyper-connections and a DSA indexer: not verified yet"),
     "jetmoe": Unsupported(REFUSED, "mixture of attention heads: its routed attention experts cannot be sharded "

@@ -22,8 +22,8 @@ from codegen.render import render
 from codegen.versions import release_of
 from codegen.patch.safety import check_only_intended_changes
 from codegen.patch.target import RewriteTarget
-from codegen.patch.transforms import AUTO_FROM_CONFIG, VERSION_GUARD, AbsolutizeImports, AddModuleBlock, \
-    BuildTextModelHere, DeclareNativeLoading, InsertCoalescedReduction, InsertReductionAfterStatement, \
+from codegen.patch.transforms import AUTO_FROM_CONFIG, AUTO_TEXT_CLASSES, VERSION_GUARD, AbsolutizeImports, \
+    AddModuleBlock, BuildTextModelHere, DeclareNativeLoading, InsertCoalescedReduction, InsertReductionAfterStatement, \
     InsertVersionGuard, TakeTextConfig, WrapReturnedValue
 from codegen.policy.runtime.base import PATCH_MARKER, REDUCE_HELPER, REDUCER_ATTR
 
@@ -137,7 +137,8 @@ def _build_text_model_here(module: cst.Module, target: RewriteTarget) -> _Built:
         return _Built(module, 0)
     build = BuildTextModelHere(wrapper.text_model, TEXT_CONFIG)
     patched = module.visit(build)
-    auto = m.Call(func=m.Attribute(value=m.Name(AUTO_FROM_CONFIG[0]), attr=m.Name(AUTO_FROM_CONFIG[1])))
+    auto = m.Call(func=m.Attribute(value=m.OneOf(*(m.Name(n) for n in AUTO_TEXT_CLASSES)),
+                                   attr=m.Name(AUTO_FROM_CONFIG[1])))
     left = [call for call in m.findall(patched, auto) if m.findall(call, m.Name(TEXT_CONFIG) | m.Attribute(
         attr=m.Name(TEXT_CONFIG)))]
     if left or (target.text_import and not build.redirected):

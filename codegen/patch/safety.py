@@ -15,7 +15,7 @@ from libcst.helpers import get_absolute_module_from_package
 from codegen.errors import BadSource
 from codegen.families import TEXT_CONFIG
 from codegen.patch.target import RewriteTarget
-from codegen.patch.transforms import AUTO_FROM_CONFIG, CLASS_FROM_CONFIG, NATIVE_LOADING_METHOD, TEXT_CONFIG_LOADER, \
+from codegen.patch.transforms import AUTO_FROM_CONFIG, AUTO_TEXT_CLASSES, CLASS_FROM_CONFIG, NATIVE_LOADING_METHOD, TEXT_CONFIG_LOADER, \
     VERSION_GUARD, TakeTextConfig
 from codegen.policy.runtime.base import PATCH_MARKER, REDUCE_HELPER
 
@@ -93,13 +93,15 @@ def _normalised(tree: ast.Module, target: RewriteTarget) -> str:
 
     class Absolute(ast.NodeTransformer):
         def visit_Call(self, node: ast.Call) -> ast.Call:
-            """`<TextModel>._from_config(x.text_config)` reads as the auto-class call it replaces (in both trees)."""
+            """`<TextModel>._from_config(x.text_config)` and the auto-class call it replaces (any of
+            `AUTO_TEXT_CLASSES`) read alike (in both trees)."""
             self.generic_visit(node)
             func = node.func
             given = [*node.args, *(k.value for k in node.keywords if k.arg == "config")]  # `config=` in 5.5's Gemma 4
-            if text_model and isinstance(func, ast.Attribute) and func.attr == CLASS_FROM_CONFIG \
-                    and isinstance(func.value, ast.Name) and func.value.id == text_model and len(given) == 1 \
-                    and isinstance(given[0], ast.Attribute) and given[0].attr == TEXT_CONFIG:
+            built = text_model and isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and (
+                (func.attr == CLASS_FROM_CONFIG and func.value.id == text_model)
+                or (func.attr == AUTO_FROM_CONFIG[1] and func.value.id in AUTO_TEXT_CLASSES))
+            if built and len(given) == 1 and isinstance(given[0], ast.Attribute) and given[0].attr == TEXT_CONFIG:
                 node.func = ast.Attribute(value=ast.Name(id=AUTO_FROM_CONFIG[0], ctx=ast.Load()),
                                           attr=AUTO_FROM_CONFIG[1], ctx=ast.Load())
             return node

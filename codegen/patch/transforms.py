@@ -121,12 +121,15 @@ class WrapReturnedValue(_MoEForwardTransformer):
 
 #: the auto-class call a wrapper builds its text decoder with, and the class method codegen calls instead
 AUTO_FROM_CONFIG = ("AutoModel", "from_config")
+#: the auto classes a wrapper may build its text decoder through (`AutoModelForCausalLM`: a decoder with its LM head)
+AUTO_TEXT_CLASSES = ("AutoModel", "AutoModelForCausalLM")
 CLASS_FROM_CONFIG = "_from_config"
 
 
 def text_model_call(config_attr: str) -> m.BaseMatcherNode:
     """`AutoModel.from_config(<x>.<config_attr>)`: a wrapper building its text decoder through the auto class."""
-    return m.Call(func=m.Attribute(value=m.Name(AUTO_FROM_CONFIG[0]), attr=m.Name(AUTO_FROM_CONFIG[1])),
+    return m.Call(func=m.Attribute(value=m.OneOf(*(m.Name(n) for n in AUTO_TEXT_CLASSES)),
+                                   attr=m.Name(AUTO_FROM_CONFIG[1])),
                   args=[m.Arg(value=m.Attribute(attr=m.Name(config_attr)))])
 
 

@@ -18,7 +18,7 @@ import torch
 from codegen.harness.worker.counting import ALL_REDUCE_OPS, CollectiveCounter, per_block_counts, tally
 from codegen.harness.worker.model_figures import (attention_reductions, cache_of, decoder_layers, gate_types,
                                                   gates_intact, layer_dense_mlps, layer_units, moe_blocks,
-                                                  param_bytes, sharding_figures, sublayers)
+                                                  output_embeddings, param_bytes, sharding_figures, sublayers)
 from codegen.harness.worker.reference import Reference, greedy
 from codegen.harness.worker.run import Run, dry_run, guarded
 from codegen.policy.runtime.base import REDUCE_HELPER, REDUCER_ATTR
@@ -52,7 +52,7 @@ def measure(phase: str, model, run: Run, opts: dict, ids, ref: Reference) -> dic
         "moe": blocks,
         "dense_mlp": [mlp for _, mlp in units if mlp is not None and id(mlp) not in block_ids]
         + [mlp for layer in layers for mlp in layer_dense_mlps(layer)],
-        "lm_head": [m for m in [model.get_output_embeddings()] if m is not None],
+        "lm_head": [m for m in [output_embeddings(model)] if m is not None],
     }
     hooks, counts = [], {}
     for key, modules in groups.items():
@@ -99,7 +99,7 @@ def measure(phase: str, model, run: Run, opts: dict, ids, ref: Reference) -> dic
     for h in hooks:
         h.remove()
     logits = out.logits.float().cpu()
-    lm_head = model.get_output_embeddings()
+    lm_head = output_embeddings(model)
     result.update({
         "num_layers": len(layers),
         "attention_blocks": len(groups["attention"]),

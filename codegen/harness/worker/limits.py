@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from codegen.harness.memory import is_expert_param
-from codegen.harness.worker.model_figures import WRAPPER_PARTS, moe_blocks
+from codegen.harness.worker.model_figures import WRAPPER_PARTS, moe_blocks, output_embeddings
 
 #: the read buffer is at least this many times the last-level cache, and at least MIN_BUFFER bytes
 CACHE_MULTIPLE, MIN_BUFFER = 4, 256 << 20
@@ -129,7 +129,7 @@ def expert_count(experts) -> int:
 def inventory(model) -> dict:
     """What one forward of this rank's shard reads, by kind (codegen.harness.limits.forward_work): the parameters
     walked as the rank holds them (DTensors by their local shard; a tied weight counted once, as a matrix)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = output_embeddings(model)
     head_weight = getattr(head, "weight", None)
     kinds: dict[int, tuple[str, torch.Tensor]] = {}
     for mname, module in model.named_modules():

@@ -119,6 +119,20 @@ def layer_units(layer, block_ids: set) -> tuple:
     return attention, None
 
 
+def output_embeddings(model):
+    """The model's LM head: its own `get_output_embeddings()`, else (a wrapper that builds its text decoder as a whole
+    causal LM and does not delegate it: Nemotron-H Omni's `language_model`) the first submodule's that has one."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None:
+        return head
+    for module in model.modules():
+        if module is not model and hasattr(module, "get_output_embeddings"):
+            head = module.get_output_embeddings()
+            if head is not None:
+                return head
+    return None
+
+
 def decoder_layers(model) -> list:
     """The text decoder's layers (a vision tower's blocks, which also hold attention and an MLP, are not)."""
     return [m for name, m in model.named_modules() if layer_attention(m) is not None and layer_mlp(m) is not None
