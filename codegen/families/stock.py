@@ -146,5 +146,7 @@ UNSUPPORTED_STOCK: dict[str, str] = {
     "qwen4_exp": "crashes (`RuntimeError: mat1 and mat2 shapes cannot be multiplied …`)",
     "zaya": "crashes (`RuntimeError: split_with_sizes expects split_sizes have only non-negative entries …`)",
     "aria": "runs with every routed expert replicated on every rank",
+    "minimax_m3_vl": "crashes (`RuntimeError: shape '[2, 16, 1, 16]' is invalid for input of size 256 …`)",
     "granitemoe_swa": "crashes (`RuntimeError: The size of tensor a …`)",
+    "hy_v4": "crashes (`RuntimeError: mat1 and mat2 shapes cannot be multiplied …`)",
 }
