@@ -148,5 +148,6 @@ UNSUPPORTED_STOCK: dict[str, str] = {
     "aria": "runs with every routed expert replicated on every rank",
     "minimax_m3_vl": "crashes (`RuntimeError: shape '[2, 16, 1, 16]' is invalid for input of size 256 …`)",
     "granitemoe_swa": "crashes (`RuntimeError: The size of tensor a …`)",
+    "jetmoe": "crashes (`ValueError: Unsupported activation function: silu …`)",
     "hy_v4": "crashes (`RuntimeError: mat1 and mat2 shapes cannot be multiplied …`)",
 }
