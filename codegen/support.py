@@ -15,7 +15,7 @@ from pathlib import Path
 from codegen import errors, splice
 from codegen.families import (ALIASES, ANCHOR_RETURNED_ROUTED, ANCHOR_RETURNED_SUM, ANCHOR_ROUTED_FINAL,
                               ANCHOR_ROUTED_STATEMENT, ANCHOR_SHARED_INPLACE_SUM, ANCHOR_SHARED_SUM, EXAMPLES, FAMILIES,
-                              NOT_YET, REFUSED, STOCK_AUTOTP, UNSUPPORTED, Family)
+                              NOT_YET, REFUSED, STOCK_AUTOTP, UNSUPPORTED, UNSUPPORTED_STOCK, Family)
 
 REGENERATE = "`python -m codegen regression regenerate`"
 #: the README's support summary (counts and names)
@@ -157,12 +157,14 @@ def alias_table() -> str:
 
 
 def unsupported_table(status: str) -> str:
-    by_reason: dict[str, list[str]] = {}
+    """One row per reason and stock figure: the refusal `patch` prints is both (codegen.patch.config)."""
+    by_reason: dict[tuple[str, str], list[str]] = {}
     for name, entry in UNSUPPORTED.items():
         if entry.status == status:
-            by_reason.setdefault(entry.why, []).append(name)
-    lines = ["| model type | reason (what `patch` says) |", "|---|---|"]
-    lines += [f"| {_code(sorted(names))} | {why} |" for why, names in by_reason.items()]
+            by_reason.setdefault((entry.why, UNSUPPORTED_STOCK.get(name, "not measured")), []).append(name)
+    lines = ["| model type | reason (what `patch` says) | stock DeepSpeed AutoTP on the unpatched tiny example |",
+             "|---|---|---|"]
+    lines += [f"| {_code(sorted(names))} | {why} | {stock} |" for (why, stock), names in by_reason.items()]
     return "\n".join(lines)
 
 

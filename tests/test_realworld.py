@@ -327,22 +327,50 @@ def test_source_hints_for_modular_files_and_config_paths(tmp_path):
     assert r.returncode == 2 and "pass the directory that holds it" in _one_line(r)
 
 
-@pytest.mark.parametrize("model_type, nearest, stock", [
-    ("longcat_flash", "deepseek_v3", "crashes"), ("qwen2moe", "qwen2_moe", "not measured"),
-    ("bert", None, "not measured")])
-def test_unsupported_model_type_names_the_nearest_family_and_what_stock_autotp_does(tmp_path, model_type, nearest,
-                                                                                     stock):
-    """Never "stock still runs": for longcat_flash that advice leads to a crash (for a type stock runs silently wrong
-    on, to wrong logits)."""
+@pytest.mark.parametrize("model_type, nearest", [("qwen2moe", "qwen2_moe"), ("bert", None)])
+def test_unsupported_model_type_names_the_nearest_family_and_that_stock_autotp_is_not_measured(tmp_path, model_type,
+                                                                                             nearest):
+    """A type without a measured figure: the refusal says so, and never "stock still runs"."""
     d = tmp_path / "m"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"model_type": model_type}))
     before = tree_digest(d)
     r = run_codegen("patch", d)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert "not supported yet" in r.stderr and "stock DeepSpeed AutoTP" in r.stderr and stock in r.stderr
+    assert "not supported yet" in r.stderr and "stock DeepSpeed AutoTP on it is not measured here" in r.stderr
     assert "still runs" not in r.stderr
     assert (f"nearest supported family: {nearest}" in r.stderr) if nearest else ("nearest" not in r.stderr)
+    assert tree_digest(d) == before
+
+
+def _measured() -> list:
+    """The first refused type of each kind of recorded stock figure (crashes, silently wrong, experts replicated) that
+    the data holds: a type that becomes supported leaves UNSUPPORTED_STOCK, and the next one of its kind takes its
+    place; a kind no type has is not a case."""
+    from codegen.families import UNSUPPORTED_STOCK
+
+    picked: dict[str, str] = {}
+    for model_type, figure in UNSUPPORTED_STOCK.items():
+        picked.setdefault(figure.split(" (")[0], model_type)
+    return [pytest.param(model_type, id=kind) for kind, model_type in picked.items()]
+
+
+@pytest.mark.parametrize("model_type", _measured())
+def test_unsupported_model_type_quotes_what_stock_autotp_does_to_it(tmp_path, model_type):
+    """Never "stock still runs": for a type stock AutoTP crashes on, that advice leads to a crash; for one it runs
+    silently wrong on, to wrong logits. The refusal quotes the measured figure instead."""
+    from codegen.families import REFUSED, UNSUPPORTED, UNSUPPORTED_STOCK
+
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": model_type}))
+    before = tree_digest(d)
+    r = run_codegen("patch", d)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    status = "refused" if UNSUPPORTED[model_type].status == REFUSED else "not supported yet"
+    assert f"model_type {model_type!r} is {status}: {UNSUPPORTED[model_type].why}" in r.stderr
+    assert f"stock DeepSpeed AutoTP on the unpatched dir {UNSUPPORTED_STOCK[model_type]}" in r.stderr
+    assert "still runs" not in r.stderr and "not measured" not in r.stderr
     assert tree_digest(d) == before
 
 

@@ -147,4 +147,10 @@ STOCK_AUTOTP: dict[str, StockAutoTP] = {
 #: (TP=2, CPU, transformers 5.24.0; issue 27's measurements): `patch`'s refusal quotes it, so it never sends a user
 #: to a path that crashes or is silently wrong. A type left out is not measured, and the refusal says so.
 UNSUPPORTED_STOCK: dict[str, str] = {
+    "qwen4_exp": "crashes (`RuntimeError: mat1 and mat2 shapes cannot be multiplied …`)",
+    "zaya": "crashes (`RuntimeError: split_with_sizes expects split_sizes have only non-negative entries …`)",
+    "minimax_m3_vl": "crashes (`RuntimeError: shape '[2, 16, 1, 16]' is invalid for input of size 256 …`)",
+    "granitemoe_swa": "crashes (`RuntimeError: The size of tensor a …`)",
+    "jetmoe": "crashes (`ValueError: Unsupported activation function: silu …`)",
+    "hy_v4": "crashes (`RuntimeError: mat1 and mat2 shapes cannot be multiplied …`)",
 }
