@@ -80,11 +80,14 @@ STOCK_AUTOTP: dict[str, StockAutoTP] = {
                               why="in_proj_qkvz cut in row halves across its per-key-head q/k/v/z groups"),
     "qwen3_5_moe": StockAutoTP(crash=_SIZES_DIFFER, why=_GATED_DELTA_NET, image_crash=_SIZES_DIFFER),
     "qwen3_5_moe_text": StockAutoTP(crash=_SIZES_DIFFER, why=_GATED_DELTA_NET),
+    "qwen4_exp": StockAutoTP(crash=_SHAPES_DIFFER,
+                             why="the per-layer n-gram embedding is cut, the PLE projections reading it are not"),
     "granitemoe": StockAutoTP(**_RUNS_3, legacy_wrong="on 4.x its router's nn.Linear is split (max Δlogits "
                                                       "1.5e-4)"),
     "granitemoeshared": StockAutoTP(crash=_SHAPES_DIFFER,
                                     why="the shared MLP's input_linear (gate|up rows) is cut and its output_linear "
                                         "left whole"),
+    "granitemoe_swa": StockAutoTP(crash=_SIZES_DIFFER, why="attention sinks are not sharded with the heads"),
     "dbrx": StockAutoTP(crash=_SHAPES_DIFFER, why="Wqkv (q, k, v packed) is cut in contiguous rows, not by heads"),
     "granitemoehybrid": StockAutoTP(crash="RuntimeError: split_with_sizes expects split_sizes to sum exactly to",
                                     why="the Mamba-2 in_proj is cut in contiguous rows, its split sizes stay global"),
@@ -106,6 +109,7 @@ STOCK_AUTOTP: dict[str, StockAutoTP] = {
                              why="Kimi delta attention's low-rank gates (f_a/f_b, g_a/g_b) are cut on both sides"),
     "deepseek_v4": StockAutoTP(crash=_SIZES_DIFFER,
                                why="q_b_proj is cut by heads, the one shared KV head and the per-head sinks are not"),
+    "hy_v4": _DSA_INDEXER,
     "bailing_hybrid": StockAutoTP(crash="RuntimeError: shape",
                                   why="the delta attention's projections are cut, its convolutions and head counts "
                                       "are not"),

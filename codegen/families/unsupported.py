@@ -18,12 +18,8 @@ class Unsupported:
     why: str
 
 
-#: a hybrid whose gated delta-net is Qwen3.5-MoE's: the linear-attention kind covers it as data (a row, unverified)
-_GDN_AS_DATA = "Qwen3.5's gated delta-net: the linear-attention kind covers it as data, a row not verified yet"
 UNSUPPORTED: dict[str, Unsupported] = {
     # the other hybrids (survey of their 5.24 sources): which the linear-attention kind covers, which need another
-    "qwen4_exp": Unsupported(NOT_YET, f"{_GDN_AS_DATA}; its hyper-connections, per-layer n-gram embeddings and "
-                                      "attention indexer are not verified yet"),
     **{t: Unsupported(NOT_YET, "attention with per-head short convolutions and nested projections: needs an "
                                "attention kind")
        # the model types their config.json files carry (the folders are inkling, inkling2, inkling2_loop)
@@ -34,8 +30,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     **{t: Unsupported(NOT_YET, "a multimodal wrapper over a text MoE, not verified yet") for t in (
         "aria", "hy_v4_vl", "minimax_m3_vl",
         "muse_spark", "deepseek_ocr2", "unlimited_ocr", "dots3_note", "nemotron_h_omni")},
-    "granitemoe_swa": Unsupported(NOT_YET, "the shared MLP is added in the decoder layer, not the MoE block"),
-    "hy_v4": Unsupported(NOT_YET, "hyper-connections and a DSA indexer: not verified yet"),
     "jetmoe": Unsupported(REFUSED, "mixture of attention heads: its routed attention experts cannot be sharded "
                                    "by heads"),
     "doge": Unsupported(REFUSED, "experts are embedding rows and dt_proj mixes every kv head: no head or expert "
