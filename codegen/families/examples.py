@@ -264,9 +264,25 @@ EXAMPLES: dict[str, Examples] = {
         # 2 kv heads, as published: tp 2 only at full widths
         full_overrides=dict(layer_types=["linear_attention", "full_attention"], max_position_embeddings=1024),
     ),
+    # Qwen4-Exp as mk_tiny.py builds it (4 key heads, not 2, so that tp 4 splits them too): a linear-attention layer,
+    # then an indexed-attention one; the first layer's PLE reads the n-gram embeddings; four hyper-connection streams
+    "qwen4_exp": Examples(
+        tiny=dict(_TINY, head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=8,
+                  num_experts_per_tok=2, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=4,
+                  linear_num_value_heads=8, layer_types=["linear_attention", "indexed_attention"], hc_count=4,
+                  hc_lowrank=16, ple_layer_ids=[1], ple_embed_dim=32, heads_per_ngram=2, ngram_vocab_size_base=64,
+                  make_ngram_vocab_size_divisible_by=8, split_ngram_parts=2, indexer_n_heads=2, indexer_kv_heads=1,
+                  indexer_head_dim=16, indexer_budget=4, indexer_compress_ratio=2, eos_token_id=2),
+        vision=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                    num_position_embeddings=16, patch_size=8),
+        wrapper=dict(_TINY_IMAGE_TOKENS),
+    ),
     "granitemoe": Examples(tiny=dict(_TINY, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2)),
     "granitemoeshared": Examples(tiny=dict(_TINY, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
                                            shared_intermediate_size=64)),
+    "granitemoe_swa": Examples(tiny=dict(_TINY, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+                                         shared_intermediate_size=64, sliding_window=8,
+                                         layer_types=["full_attention", "sliding_attention"])),
     # DBRX names its sizes its own way (d_model, n_layers, n_heads) and nests them (attn_config, ffn_config)
     "dbrx": Examples(tiny=dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, max_seq_len=256,
                                tie_word_embeddings=False,
@@ -356,6 +372,12 @@ EXAMPLES: dict[str, Examples] = {
                   hc_mult=4),
         whole_mixers=2,
     ),
+    # HY-V4 as mk_tiny.py builds it: MLA + DSA, a dense layer then an MoE one, the second layer reusing the first's
+    # indexer top-k, four hyper-connection streams (the config's default)
+    "hy_v4": Examples(tiny=dict(_TINY, **_TINY_MLA, **_TINY_V3_MOE, mlp_layer_types=["dense", "sparse"],
+                                layer_types=["indexed_attention", "indexed_attention"], indexer_types=["full", "shared"],
+                                index_topk=4, index_head_dim=16, index_n_heads=2, pad_token_id=0, bos_token_id=1,
+                                eos_token_id=2)),
     # a delta-attention layer with a dense MLP, then an MLA layer with the MoE (as mk_tiny.py builds it)
     "bailing_hybrid": Examples(tiny=dict(_TINY, **{**_TINY_MLA, "q_lora_rank": None}, intermediate_size=128,
                                          moe_intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,

@@ -81,11 +81,14 @@ STOCK_AUTOTP: dict[str, StockAutoTP] = {
                               why="in_proj_qkvz cut in row halves across its per-key-head q/k/v/z groups"),
     "qwen3_5_moe": StockAutoTP(crash=_SIZES_DIFFER, why=_GATED_DELTA_NET, image_crash=_SIZES_DIFFER),
     "qwen3_5_moe_text": StockAutoTP(crash=_SIZES_DIFFER, why=_GATED_DELTA_NET),
+    "qwen4_exp": StockAutoTP(crash=_SHAPES_DIFFER,
+                             why="the per-layer n-gram embedding is cut, the PLE projections reading it are not"),
     "granitemoe": StockAutoTP(**_RUNS_3, legacy_wrong="on 4.x its router's nn.Linear is split (max Δlogits "
                                                       "1.5e-4)"),
     "granitemoeshared": StockAutoTP(crash=_SHAPES_DIFFER,
                                     why="the shared MLP's input_linear (gate|up rows) is cut and its output_linear "
                                         "left whole"),
+    "granitemoe_swa": StockAutoTP(crash=_SIZES_DIFFER, why="attention sinks are not sharded with the heads"),
     "dbrx": StockAutoTP(crash=_SHAPES_DIFFER, why="Wqkv (q, k, v packed) is cut in contiguous rows, not by heads"),
     "granitemoehybrid": StockAutoTP(crash="RuntimeError: split_with_sizes expects split_sizes to sum exactly to",
                                     why="the Mamba-2 in_proj is cut in contiguous rows, its split sizes stay global"),
@@ -107,6 +110,7 @@ STOCK_AUTOTP: dict[str, StockAutoTP] = {
                              why="Kimi delta attention's low-rank gates (f_a/f_b, g_a/g_b) are cut on both sides"),
     "deepseek_v4": StockAutoTP(crash=_SIZES_DIFFER,
                                why="q_b_proj is cut by heads, the one shared KV head and the per-head sinks are not"),
+    "hy_v4": _DSA_INDEXER,
     "bailing_hybrid": StockAutoTP(crash="RuntimeError: shape",
                                   why="the delta attention's projections are cut, its convolutions and head counts "
                                       "are not"),
@@ -147,10 +151,7 @@ STOCK_AUTOTP: dict[str, StockAutoTP] = {
 #: (TP=2, CPU, transformers 5.24.0; issue 27's measurements): `patch`'s refusal quotes it, so it never sends a user
 #: to a path that crashes or is silently wrong. A type left out is not measured, and the refusal says so.
 UNSUPPORTED_STOCK: dict[str, str] = {
-    "qwen4_exp": "crashes (`RuntimeError: mat1 and mat2 shapes cannot be multiplied …`)",
     "zaya": "crashes (`RuntimeError: split_with_sizes expects split_sizes have only non-negative entries …`)",
     "minimax_m3_vl": "crashes (`RuntimeError: shape '[2, 16, 1, 16]' is invalid for input of size 256 …`)",
-    "granitemoe_swa": "crashes (`RuntimeError: The size of tensor a …`)",
     "jetmoe": "crashes (`ValueError: Unsupported activation function: silu …`)",
-    "hy_v4": "crashes (`RuntimeError: mat1 and mat2 shapes cannot be multiplied …`)",
 }

@@ -345,6 +345,22 @@ FAMILIES: dict[str, Family] = table(
         auto_classes={"AutoModelForCausalLM": "Qwen3_5MoeForCausalLM", "AutoModel": "Qwen3_5MoeTextModel"},
     ),
     Family(
+        # Qwen3.5's decoder (gated delta-net as data, the full-attention q_proj's rows [q | gate] per head) plus
+        # hyper-connections (a gated residual over hc_count streams, low-rank nn.Linears), per-layer n-gram
+        # embeddings (PLE) and a QSA indexer: those three whole on every rank, no collective
+        model_type="qwen4_exp", config_class="Qwen4ExpConfig", moe_classes=("Qwen4ExpTextSparseMoeBlock",),
+        **_QWEN_SHARED_EXPERT, more_positive_ints=("head_dim", *_LINEAR_HEAD_KEYS),
+        tp_divisible_keys=_QWEN_HYBRID_TP, attention_attrs=("self_attn", _QWEN_LINEAR_ATTN),
+        linear_attention=_QWEN3_5_GATED_DELTA_NET, attention_replicated=("indexer",),
+        whole_modules=("Qwen4ExpTextGatedResidual", "Qwen4ExpTextPLELayer"),
+        auto_classes={"AutoModelForImageTextToText": "Qwen4ExpForConditionalGeneration",
+                      "AutoModelForCausalLM": "Qwen4ExpForCausalLM", "AutoModel": "Qwen4ExpModel"},
+        wrapper=Wrapper(replicated=("visual",), text_model="Qwen4ExpTextModel", image_input=IMAGE_FLAT_PATCHES,
+                        image_start_key="vision_start_token_id", image_end_key="vision_end_token_id",
+                        token_types=True, causal_lm="Qwen4ExpForCausalLM"),
+        known_good=("5.16.0", "5.24.0"),
+    ),
+    Family(
         model_type="granitemoe", config_class="GraniteMoeConfig", moe_classes=("GraniteMoeMoE",), **_GRANITE_MOE,
         tp_divisible_keys=_DENSE_WIDTH_TP, known_good=("4.45.0", "4.57.6", "5.0.0", "5.24.0"),
     ),
@@ -355,6 +371,16 @@ FAMILIES: dict[str, Family] = table(
         # routed (reduced once) + shared (whole) is exact; its input_linear packs gate|up rows, which AutoTP would cut
         whole_modules=("GraniteMoeSharedMLP",),
         known_good=("4.49.0", "4.57.6", "5.0.0", "5.24.0"),
+    ),
+    Family(
+        model_type="granitemoe_swa", config_class="GraniteMoeSWAConfig", moe_classes=("GraniteMoeSWAMoE",),
+        routers=("router",), num_experts_keys=("num_local_experts",),
+        more_positive_ints=("intermediate_size", "shared_intermediate_size"), moe_block_attrs=("block_sparse_moe",),
+        tp_divisible_keys=("num_attention_heads", "num_key_value_heads", "intermediate_size"),
+        # granitemoeshared's decoder layer: the shared MLP (its input_linear packs gate|up rows) is added there, after
+        # the MoE block's reduction, whole on every rank; the attention sinks, one per head, cut with the heads
+        whole_modules=("GraniteMoeSWAMLP",), attention_head_params=("sinks",),
+        known_good=("5.15.0", "5.24.0"),
     ),
     Family(
         model_type="dbrx", config_class="DbrxConfig", moe_classes=("DbrxFFN",),
@@ -476,6 +502,16 @@ FAMILIES: dict[str, Family] = table(
         # compressors and indexer; the hash and learned routers (`gate`) whole; the experts split
         tp_divisible_keys=("moe_intermediate_size",), whole_modules=("DeepseekV4Attention",),
         known_good=("5.8.0", "5.24.0"),
+    ),
+    Family(
+        model_type="hy_v4", config_class="HYV4Config", moe_classes=("HYV4MoE",), **_DEEPSEEK_MOE,
+        more_positive_ints=_GROUPS, layers=_LAYER_TYPES,
+        # MLA (its low-rank inputs whole) with a DSA indexer, whole (shared layers reuse the previous one's top-k);
+        # the attention output gate, one row block per head, and the sinks, one per head, cut with the heads; the
+        # hyper-connections (attn_hc, ffn_hc, hc_head) hold no linear DeepSpeed shards
+        attention_replicated=(*_MLA, "indexer"), attention_head_linears=("gate_proj",),
+        attention_head_params=("sinks",),
+        known_good=("5.17.0", "5.24.0"),
     ),
     Family(
         model_type="bailing_hybrid", config_class="BailingHybridConfig", moe_classes=("BailingHybridMoE",),

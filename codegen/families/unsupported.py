@@ -18,12 +18,8 @@ class Unsupported:
     why: str
 
 
-#: a hybrid whose gated delta-net is Qwen3.5-MoE's: the linear-attention kind covers it as data (a row, unverified)
-_GDN_AS_DATA = "Qwen3.5's gated delta-net: the linear-attention kind covers it as data, a row not verified yet"
 UNSUPPORTED: dict[str, Unsupported] = {
     # the other hybrids (survey of their 5.24 sources): which the linear-attention kind covers, which need another
-    "qwen4_exp": Unsupported(NOT_YET, f"{_GDN_AS_DATA}; its hyper-connections, per-layer n-gram embeddings and "
-                                      "attention indexer are not verified yet"),
     **{t: Unsupported(NOT_YET, "attention with per-head short convolutions and nested projections: needs an "
                                "attention kind")
        # the model types their config.json files carry (the folders are inkling, inkling2, inkling2_loop)
@@ -31,8 +27,8 @@ UNSUPPORTED: dict[str, Unsupported] = {
                  "inkling2_loop_text")},
     "zaya": Unsupported(NOT_YET, "CCA attention (grouped conv, key residual averaged over a group's query heads): "
                                  "needs its own kind, exact only up to tp = num_key_value_heads"),
-    "hy_v4_vl": Unsupported(NOT_YET, "its text decoder is hy_v4's (hyper-connections and a DSA indexer), itself "
-                                     "not yet"),
+    "hy_v4_vl": Unsupported(NOT_YET, "a multimodal wrapper over hy_v4's decoder (supported as text): the wrapper's "
+                                     "row is not verified yet"),
     "minimax_m3_vl": Unsupported(NOT_YET, "its block-sparse indexer's attention mask holds one block selection per "
                                           "KV group, repeated to every query head: it must be cut with the heads "
                                           "(needs an indexer kind)"),
@@ -43,8 +39,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
                                           "cache of its own: a row not verified yet"),
     "dots3_note": Unsupported(NOT_YET, "vision and audio towers over its own MLA + DSA-indexer MoE decoder (rescaled "
                                        "q/kv latents): a row not verified yet"),
-    "granitemoe_swa": Unsupported(NOT_YET, "the shared MLP is added in the decoder layer, not the MoE block"),
-    "hy_v4": Unsupported(NOT_YET, "hyper-connections and a DSA indexer: not verified yet"),
     "jetmoe": Unsupported(REFUSED, "mixture of attention heads: its routed attention experts cannot be sharded "
                                    "by heads"),
     "doge": Unsupported(REFUSED, "experts are embedding rows and dt_proj mixes every kv head: no head or expert "
