@@ -198,14 +198,6 @@ EXAMPLES: dict[str, Examples] = {
                     image_size=56, patch_size=14, max_position_embeddings=16),
         wrapper=dict(image_token_id=250),
     ),
-    # mk_tiny's (Aria): 8 experts top-2 + 2 shared experts; an idefics3 vision tower, the cross-attention projector
-    # mapping its 16 patches to 4 queries
-    "aria": Examples(
-        tiny=dict(_TINY, intermediate_size=32, moe_num_experts=8, moe_topk=2, moe_num_shared_experts=2, head_dim=16),
-        vision=dict(model_type="idefics3_vision", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                    num_attention_heads=2, image_size=56, patch_size=14),
-        wrapper=dict(image_token_id=250, projector_patch_to_query_dict={16: 4}),
-    ),
     "qwen3_vl_moe": Examples(
         # 2 * moe_intermediate_size != hidden_size: transformers 5.x's loader tells the two expert layouts
         # apart by shape

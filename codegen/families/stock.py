@@ -72,7 +72,6 @@ STOCK_AUTOTP: dict[str, StockAutoTP] = {
     "flex_olmo": _QK_NORM,
     "minimax_m2": _QK_NORM,
     "step3p7": StockAutoTP(**_RUNS_5, image_allreduces=7),
-    "aria": StockAutoTP(**_RUNS_5, image_allreduces=7),
     "qwen3_vl_moe": StockAutoTP(**_RUNS_3, image_crash=_SHAPES_DIFFER),
     "glm4v_moe": StockAutoTP(**_RUNS_5, image_crash=_SHAPES_DIFFER),
     "kimi_k25": StockAutoTP(**_RUNS_5, image_crash=_SHAPES_DIFFER),
@@ -151,6 +150,7 @@ STOCK_AUTOTP: dict[str, StockAutoTP] = {
 #: (TP=2, CPU, transformers 5.24.0; issue 27's measurements): `patch`'s refusal quotes it, so it never sends a user
 #: to a path that crashes or is silently wrong. A type left out is not measured, and the refusal says so.
 UNSUPPORTED_STOCK: dict[str, str] = {
+    "aria": "runs with every routed expert replicated on every rank",
     "zaya": "crashes (`RuntimeError: split_with_sizes expects split_sizes have only non-negative entries …`)",
     "minimax_m3_vl": "crashes (`RuntimeError: shape '[2, 16, 1, 16]' is invalid for input of size 256 …`)",
     "jetmoe": "crashes (`ValueError: Unsupported activation function: silu …`)",

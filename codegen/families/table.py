@@ -263,20 +263,6 @@ FAMILIES: dict[str, Family] = table(
         known_good=("5.16.0", "5.24.0"),
     ),
     Family(
-        model_type="aria", config_class="AriaConfig", moe_classes=("AriaTextMoELayer",),
-        # routed experts transposed: gate_up [E, H, 2I] (gate columns, then up columns), down [E, I, H]; the shared
-        # experts (one LlamaMLP moe_num_shared_experts times intermediate_size wide) are summed in the block's return
-        fused=FusedExperts(kind=FUSED_GATE_UP_HALVES_COLS), shared_experts=("shared_experts",), routers=("router",),
-        anchor=ANCHOR_RETURNED_SUM,
-        num_experts_keys=("moe_num_experts",), top_k_keys=("moe_topk",), more_positive_ints=("head_dim",),
-        tp_divisible_keys=("num_attention_heads", "num_key_value_heads", "intermediate_size"),
-        wrapper=Wrapper(replicated=("vision_tower", "multi_modal_projector"), text_model="AriaTextModel",
-                        image_input=IMAGE_WHOLE),
-        # 4.48-5.17 ship the routed experts as grouped-GEMM modules (experts.fc1 / experts.fc2 over permuted tokens):
-        # not covered; 5.18 is the first with the gate_up_proj / down_proj parameters
-        known_good=("5.18.0", "5.24.0"),
-    ),
-    Family(
         model_type="qwen3_vl_moe", config_class="Qwen3VLMoeConfig", moe_classes=("Qwen3VLMoeTextSparseMoeBlock",),
         # 4.x writes num_experts; 5.x writes num_local_experts
         num_experts_keys=("num_experts", "num_local_experts"), more_positive_ints=("head_dim",),
