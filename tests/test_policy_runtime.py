@@ -794,8 +794,13 @@ def test_zero_compute_experts_are_counted_once_over_the_group(world):
 
     import transformers
 
+    from codegen import versions
     from codegen.families import EXAMPLES
 
+    if versions.is_legacy(transformers.__version__):
+        # 4.x keeps the experts in a ModuleList with `nn.Identity` entries, called by the block's own loop: that path
+        # runs on real ranks in tests/test_verify.py under transformers 4.57.6
+        pytest.skip("transformers 4.x: the zero-compute experts are ModuleList entries, checked on real ranks")
     family = _identity_family()
     module = importlib.import_module(family.builtin_module)
     config = getattr(transformers, family.config_class)(**EXAMPLES[family.model_type].tiny)
