@@ -1,18 +1,23 @@
-"""A load test of `codegen serve` with the official `openai` client: 1, 8 and 32 concurrent clients, printed as a
-markdown table (requests/s, output tokens/s, time to first token and inter-token latency p50/p99).
+"""A load test of `codegen serve`, and of `vllm serve` beside it, with the official `openai` client: 1, 8 and 32
+concurrent clients, printed as markdown tables (requests/s, output tokens/s, time to first token and inter-token
+latency p50/p99).
 
-    .venv/bin/python scripts/serve_load.py [--dir DIR] [--tokens 64] [--levels 1,8,32] [--port PORT]
+    .venv/bin/python scripts/serve_load.py --engine codegen --engine vllm --record docs/serving/load.json
+    .venv/bin/python scripts/serve_load.py --port PORT        # any OpenAI-compatible server already running
 
-Without --port it builds (once, under DIR) the bench-size Qwen3-MoE example with its byte-level tokenizer, patches
-it and starts `python -m codegen serve DIR --tp 2 --dtype float32`; with --port it drives a server already running
-on 127.0.0.1:PORT (any OpenAI-compatible one). Each client streams its requests one after another (every request
-exactly --tokens new tokens of printable ASCII: see BIAS), for --seconds per level after one warm-up request
-each. The clients are threads of this process, on the same machine as the server.
+It builds (once, under --dir) the bench-size Qwen3-MoE example with its byte-level tokenizer and patches it. Each
+--engine is started, measured and stopped in turn: `python -m codegen serve DIR --tp 2 --dtype float32`, and vLLM's
+CPU build (`vllm serve` in the virtualenv `bench --peer vllm` builds, never codegen's own) on the unpatched copy of
+the same checkpoint, TP 2, float32, the same batch bound. Each client streams its requests one after another
+(every request exactly --tokens new tokens of printable ASCII: see BIAS), for --seconds per level after one warm-up
+request each. The clients are threads of this process, on the same machine as the servers. --record writes the
+figures (codegen.harness.serving_figures renders docs/serving.md's table and the README's line from them).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import signal
@@ -91,51 +96,132 @@ def _level(client, model: str, clients: int, tokens: int, seconds: float) -> dic
             "mean_tokens": statistics.mean(done_tokens) if done_tokens else 0}
 
 
+def _start_codegen(model_dir: Path, max_batch: int) -> tuple[subprocess.Popen, int, str]:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error"}
+    proc = subprocess.Popen([sys.executable, "-m", "codegen", "serve", str(model_dir), "--tp", "2", "--port", "0",
+                             "--dtype", "float32", "--max-batch", str(max_batch)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    match = re.search(r"on http://[\d.]+:(\d+)/v1", proc.stdout.readline())
+    if not match:
+        sys.exit(f"codegen serve did not start: {proc.stderr.read()[-2000:] if proc.poll() is not None else ''}")
+    from importlib.metadata import version
+
+    return proc, int(match.group(1)), version("codegen")
+
+
+def _start_vllm(model_dir: Path, max_batch: int, log: Path) -> tuple[subprocess.Popen, int, str]:
+    """`vllm serve` of vLLM's CPU build, from the virtualenv the bench's `--peer vllm` builds (codegen.harness.peer),
+    on the unpatched dir, with the cores split between its 2 ranks as the bench splits them."""
+    import urllib.request
+
+    from codegen.harness.peer import KV_CACHE_GIB, VLLM_VERSION, ensure_venv, thread_binding
+    from codegen.ranks import free_port
+
+    venv = ensure_venv(lambda line: print(line, file=sys.stderr))
+    port = free_port()
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB,
+           "VLLM_CPU_OMP_THREADS_BIND": thread_binding(2), "TOKENIZERS_PARALLELISM": "false"}
+    # the API server's module: the `vllm` script asks for the distribution `vllm`, and this one is `vllm-cpu`
+    proc = subprocess.Popen([str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model",
+                             str(model_dir), "--tensor-parallel-size", "2", "--dtype", "float32", "--port", str(port),
+                             "--max-num-seqs", str(max_batch)], env=env, stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"vllm serve did not start: see {log}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5).read()
+            return proc, port, VLLM_VERSION
+        except OSError:
+            time.sleep(2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    sys.exit(f"vllm serve did not answer in 600 s: see {log}")
+
+
+def _stop(proc: subprocess.Popen, group: bool) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM) if group else proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL) if group else proc.kill()
+            proc.wait()
+
+
+def _run_levels(port: int, levels: list[int], tokens: int, seconds: float, title: str) -> list[dict]:
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
+    model = client.models.list().data[0].id
+    print(title)
+    print("| clients | requests | requests/s | output tokens/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 |")
+    print("|---|---|---|---|---|---|---|---|")
+    rows = []
+    for clients in levels:
+        r = _level(client, model, clients, tokens, seconds)
+        rows.append(r)
+        print(f"| {r['clients']} | {r['requests']} | {r['rps']:.2f} | {r['tps']:.0f} | {r['ttft50'] * 1000:.0f} ms"
+              f" | {r['ttft99'] * 1000:.0f} ms | {r['itl50'] * 1000:.1f} ms | {r['itl99'] * 1000:.1f} ms |", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", type=Path, default=Path("/tmp/codegen-serve-wait"))
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--levels", default="1,8,32")
     parser.add_argument("--seconds", type=float, default=20.0)
-    parser.add_argument("--port", type=int, default=None)
+    parser.add_argument("--port", type=int, default=None, help="drive a server already running there instead")
     parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--engine", choices=["codegen", "vllm"], action="append",
+                        help="the server(s) to start and measure, one after the other (default: codegen)")
+    parser.add_argument("--record", type=Path, default=None,
+                        help="write the figures here (JSON) and refresh the sections of docs/serving.md and the "
+                             "README generated from it (codegen.harness.serving_figures)")
     args = parser.parse_args()
-    import openai
+    levels = [int(c) for c in args.levels.split(",")]
+    title = (f"{args.tokens} tokens a request, {args.seconds:g} s a level, {os.cpu_count()} cores shared by server "
+             f"and clients; load average {os.getloadavg()[0]:.1f} before")
+    if args.port is not None:
+        _run_levels(args.port, levels, args.tokens, args.seconds, f"the server on port {args.port}, " + title)
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from serve_wait import _dir
 
-    proc = None
-    port = args.port
-    if port is None:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from serve_wait import _dir
+    from codegen.harness.results import machine_info
+    from codegen.modeldir.pristine import materialize_unpatched
 
-        args.dir.mkdir(parents=True, exist_ok=True)
-        model_dir = _dir(args.dir)
-        env = {**os.environ, "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error"}
-        proc = subprocess.Popen([sys.executable, "-m", "codegen", "serve", str(model_dir), "--tp", "2", "--port", "0",
-                                 "--dtype", "float32", "--max-batch", str(args.max_batch)], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        match = re.search(r"on http://[\d.]+:(\d+)/v1", proc.stdout.readline())
-        if not match:
-            sys.exit(f"server did not start: {proc.stderr.read()[-2000:] if proc.poll() is not None else ''}")
-        port = int(match.group(1))
-    try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
-        model = client.models.list().data[0].id
-        print(f"codegen serve, {model}, tp 2, float32, --max-batch {args.max_batch}, {args.tokens} tokens a request, "
-              f"{args.seconds:g} s a level, {os.cpu_count()} cores shared by server and clients; load average "
-              f"{os.getloadavg()[0]:.1f} before")
-        print("| clients | requests | requests/s | output tokens/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 |")
-        print("|---|---|---|---|---|---|---|---|")
-        for clients in (int(c) for c in args.levels.split(",")):
-            r = _level(client, model, clients, args.tokens, args.seconds)
-            print(f"| {r['clients']} | {r['requests']} | {r['rps']:.2f} | {r['tps']:.0f} | {r['ttft50'] * 1000:.0f} ms"
-                  f" | {r['ttft99'] * 1000:.0f} ms | {r['itl50'] * 1000:.1f} ms | {r['itl99'] * 1000:.1f} ms |",
-                  flush=True)
+    args.dir.mkdir(parents=True, exist_ok=True)
+    model_dir = _dir(args.dir)
+    engines = {}
+    for engine in args.engine or ["codegen"]:
+        load_before = os.getloadavg()[0]
+        if engine == "codegen":
+            proc, port, version = _start_codegen(model_dir, args.max_batch)
+        else:
+            unpatched = args.dir / "unpatched"
+            if not unpatched.is_dir():
+                materialize_unpatched(model_dir, unpatched)
+            proc, port, version = _start_vllm(unpatched, args.max_batch, args.dir / "vllm-serve.log")
+        try:
+            rows = _run_levels(port, levels, args.tokens, args.seconds,
+                               f"{engine} {version}, tp 2, float32, batch bound {args.max_batch}, " + title)
+        finally:
+            _stop(proc, group=engine == "vllm")
+        engines[engine] = {"version": version, "load_before": load_before, "levels": rows}
         print(f"load average {os.getloadavg()[0]:.1f} after")
-    finally:
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=30)
+    if args.record is not None:
+        from codegen.harness.serving_figures import LOAD_SCHEMA, refresh
+
+        settings = {"model": "bench-size Qwen3-MoE (hidden 512, 4 layers, 128 experts, top-8) with a byte-level "
+                    "tokenizer", "tp": 2, "dtype": "float32", "tokens": args.tokens, "seconds": args.seconds,
+                    "max_batch": args.max_batch}
+        args.record.write_text(json.dumps({"schema": LOAD_SCHEMA, "machine": machine_info("cpu"), "settings": settings,
+                                           "engines": engines}, indent=1) + "\n")
+        root = Path(__file__).resolve().parent.parent
+        for path in refresh(root):
+            print(f"refreshed {path}")
 
 
 if __name__ == "__main__":

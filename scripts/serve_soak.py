@@ -6,6 +6,7 @@ Builds (once, under DIR) the bench-size Qwen3-MoE example with its byte-level to
 `python -m codegen serve DIR --tp 2 --dtype float32`, and runs --clients threads of the official `openai` client,
 each picking at random: a whole completion, a streamed one, a chat completion, a stream it leaves after a few
 chunks, or a bad body (raw HTTP: must be a 4xx with OpenAI's error body). Every 10 s it samples each rank's RSS.
+--record writes the figures as JSON (codegen.harness.serving_figures renders docs/serving.md's soak line from it).
 At the end: RSS per rank (first sample after warm-up, last, largest), requests by kind, errors on valid requests,
 bad bodies not answered with a 4xx, and after SIGTERM the ranks left and the DeepSpeed buffers left in /dev/shm.
 """
@@ -29,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_wait import _alive, _children, _dir  # noqa: E402
 
+SAMPLE_S = 10.0
 BAD_BODIES = [b"{not json", b"", b"\xff\xfe", b"[1]", b'{"prompt": 3}', b'{"prompt": "x", "n": 2}',
               b'{"prompt": "x", "frobnicate": 1}', b'{"prompt": "' + b"x" * 100000 + b'"}']
 
@@ -49,6 +51,9 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=Path("/tmp/codegen-serve-wait"))
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--record", type=Path, default=None,
+                        help="write the figures here (JSON) and refresh the section of docs/serving.md and the README "
+                             "line generated from it (codegen.harness.serving_figures)")
     args = parser.parse_args()
     import openai
 
@@ -122,7 +127,7 @@ def main() -> None:
     samples: list[list[int]] = []
     while time.monotonic() < end:
         samples.append([_rss_kib(pid) for pid in ranks])
-        time.sleep(10)
+        time.sleep(SAMPLE_S)
     for t in threads:
         t.join(timeout=600)
     samples.append([_rss_kib(pid) for pid in ranks])
@@ -145,6 +150,24 @@ def main() -> None:
     for line in failures[:10]:
         print("  " + line)
 
+    if args.record is not None:
+        from codegen.harness.results import machine_info
+        from codegen.harness.serving_figures import SOAK_SCHEMA, refresh
+
+        half = samples[len(samples) // 2]
+        result = {"requests": sum(v for k, v in counts.items() if not k.endswith("failed")), "counts": dict(counts),
+                  "valid_errors": valid_failed, "bad_not_4xx": counts["bad failed"], "failures": failures[:10],
+                  "ranks": [{"warm_mib": warm[r] / 1024, "last_mib": samples[-1][r] / 1024,
+                             "max_mib": max(s[r] for s in samples) / 1024,
+                             "second_half_mib": (samples[-1][r] - half[r]) / 1024,
+                             "samples_mib": [round(s[r] / 1024, 1) for s in samples]} for r in range(len(ranks))],
+                  "ranks_left": len(left), "stop_s": took, "buffers_left": len(_buffers() - before)}
+        settings = {"minutes": args.minutes, "clients": args.clients, "tp": 2, "sample_s": SAMPLE_S,
+                    "model": "bench-size Qwen3-MoE (hidden 512, 4 layers, 128 experts, top-8), float32"}
+        args.record.write_text(json.dumps({"schema": SOAK_SCHEMA, "machine": machine_info("cpu"),
+                                           "settings": settings, "result": result}, indent=1) + "\n")
+        for path in refresh(Path(__file__).resolve().parent.parent):
+            print(f"refreshed {path}")
 
 if __name__ == "__main__":
     main()

@@ -25,6 +25,9 @@ REMOTE_CODE_FIXTURES = {fixture: name for name, family in _TABLE.items() for fix
 STOCK_AUTOTP_CRASHES = {name: STOCK_AUTOTP[name].crash for name in FAMILIES if STOCK_AUTOTP[name].crash}
 #: regression tests whose answer depends on the installed transformers: they run in every environment
 #: (the rest of the regression matrix reads pinned wheels only and runs once, in the latest environment)
+#: the tests whose corpora tests/test_reliability_report.py adds up: one pytest-xdist worker (`--dist loadgroup`)
+#: runs them all, so each corpus is computed once per session (test_hardening.cached) and the figure reuses it
+CORPORA = pytest.mark.xdist_group("reliability-corpora")
 PER_ENVIRONMENT_REGRESSION = ("test_patch_writes_what_generated_expects", "test_this_environment_resolves_a_pinned_release")
 
 

@@ -37,7 +37,7 @@ import pytest
 
 import codegen.cli  # noqa: F401 - imported once here, so forked runs start warm
 import codegen.patch.rewrite  # noqa: F401
-from conftest import ROOT, run_codegen, tree_digest
+from conftest import CORPORA, ROOT, run_codegen, tree_digest
 
 pytestmark = pytest.mark.process  # forks / starts processes: not in the fast tier
 
@@ -457,11 +457,13 @@ def outcome(name: str, work: Path) -> Tally:
 
 
 @pytest.mark.parametrize("name", list(SWEEPS))
+@CORPORA
 def test_kill_at_every_write_step_leaves_a_loadable_recoverable_dir(name, fast, tmp_path_factory):
     tally = outcome(name, tmp_path_factory.mktemp("sweep"))
     assert_clean(tally)
 
 
+@CORPORA
 def test_first_patch_kills_land_only_in_before_or_fully_patched(fast, tmp_path_factory):
     tally = outcome("patch-hub_deepseek-plain", tmp_path_factory.mktemp("sweep"))
     assert set(tally.states) <= {"before", "patched (end)"} and tally.states.get("before")
@@ -741,6 +743,7 @@ def _judge_failure(tally, r, label, command, case, start, start_listing, words, 
 
 
 @pytest.mark.parametrize("kind", ["qwen2_moe", "hub_deepseek"])
+@CORPORA
 def test_disk_full_and_permission_errors_are_one_line_and_change_nothing(fast, tmp_path_factory, kind):
     name = f"failing-writes-{kind}"
     assert_clean(cached(name, lambda: failing_writes(tmp_path_factory.mktemp(name), kind)))

@@ -47,6 +47,12 @@ def _result(entry: Entry) -> upstream.Result:
         pytest.fail(f"{entry.id}: the pinned source no longer rewrites: {exc.message}", pytrace=False)
 
 
+@functools.cache
+def _committed() -> dict[str, str]:
+    """generated/ as committed, read once per worker (the tests never write it)."""
+    return upstream.committed_files()
+
+
 @functools.lru_cache(maxsize=None)
 def _trees(entry: Entry) -> tuple[ast.Module, ast.Module]:
     """(original, patched) of an entry, parsed once."""
@@ -68,7 +74,7 @@ def _stale(name: str, committed: str | None, fresh: str | None) -> str:
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_rewrite_matches_generated(entry: Entry) -> None:
     result = _result(entry)
-    committed = upstream.committed_files()
+    committed = _committed()
     stale = [
         _stale(name, committed.get(name), fresh) for name, fresh in result.files.items() if committed.get(name) != fresh
     ]
@@ -81,7 +87,7 @@ def test_rewrite_matches_generated(entry: Entry) -> None:
 
 def test_generated_dir_holds_exactly_the_matrix() -> None:
     expected = upstream.expected_paths()
-    committed = upstream.committed_files()
+    committed = _committed()
     extra = sorted(set(committed) - expected)
     missing = sorted(expected - set(committed))
     if extra or missing:
@@ -92,7 +98,7 @@ def test_generated_dir_holds_exactly_the_matrix() -> None:
 
 
 def test_generated_files_say_how_they_were_made() -> None:
-    for name, text in upstream.committed_files().items():
+    for name, text in _committed().items():
         head = text.splitlines()[0]
         assert "GENERATED" in head and REGENERATE in head, f"{name}: first line does not say it is generated"
         assert str(Path.home()) not in text and str(upstream.ROOT) not in text, f"{name}: machine-specific path"

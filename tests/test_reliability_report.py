@@ -21,12 +21,14 @@ import os
 import re
 from pathlib import Path
 
+from conftest import CORPORA
 from test_hardening import SWEEPS, Tally, cached, failing_writes, fast, outcome  # noqa: F401 - fast is a fixture
 from test_sources import source_corpus, warm_and_run_config_corpus
 
 pytestmark = pytest.mark.process  # forks / starts processes: not in the fast tier
 
 
+@CORPORA
 def test_reliability_figure(fast, tmp_path_factory):
     total = Tally()
     parts = {}

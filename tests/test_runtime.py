@@ -7,6 +7,8 @@
   disabling it in a copy of the policy), so the 1e-5 check below proves it. DeepSpeed's
   tp_grain_size is lowered to 16 here so that it too splits these 64-wide layers evenly, and every
   rank's sharded layers are exactly 1/2 of the unsharded bytes.
+* The hybrid, single-mixer and several-expert-sets families on 4 ranks (tp 4, and two groups of tp 2). Every run of
+  4 ranks shares one launch per tp size with the others (`four_rank_runs`).
 * The policy's user errors are one line, and raised before any distributed call (one process).
 * The rendered policy is self-contained and never reduces without naming a group (static checks).
 """
@@ -16,7 +18,6 @@ from __future__ import annotations
 import ast
 import importlib.util
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -41,23 +42,69 @@ def _policy(directory: Path):
     return module
 
 
-# ------------------------------------------------------------------------------------ 4 ranks, tp_size 2
+# ------------------------------------------------------------------------------- 4 ranks, every run in 2 launches
+
+
+def _four_rank_jobs(templates, tmp_path_factory) -> list[tuple[int, dict]]:
+    """(tp, job) for every run of 4 ranks below: the hub-format DeepSeek checkpoint in two groups of tp 2 (also
+    without a policy), then each hybrid, single-mixer and several-expert-sets run (a tiny example with 4 kv heads, so
+    tp 4 divides every head count). DeepSpeed's grain 8 splits the 32-wide per-expert layers of transformers 4.x
+    evenly over 4 ranks too; 16 splits the DeepSeek checkpoint's 64-wide layers evenly over 2."""
+    import shutil
+
+    from codegen.harness.examples import build_example, installed_families
+    from codegen.modeldir.pristine import materialize_unpatched
+
+    decode = {"generate": 8, "decode_check": 8, "tp_grain_size": 8}
+    base = tmp_path_factory.mktemp("world4")
+    directory = base / "hub_deepseek"
+    shutil.copytree(templates["hub_deepseek"], directory)
+    _patch(directory)
+    jobs = [(2, {"name": WORLD4, "model": str(directory),
+                 "reference": str(materialize_unpatched(directory, base / "hub_deepseek-unpatched")),
+                 "phases": ["no-policy", "codegen"],
+                 "options": {"generate": 16, "grad_check": True, "tp_grain_size": 16}})]
+    runs = [(_run_id(f, tp, o), f, tp, o) for f, tp, o in (*((f, tp, {}) for f, tp in HYBRID_RUNS),
+                                                           *SINGLE_MIXER_RUNS,
+                                                           *((f, 4, {}) for f in EXPERT_SETS_RUNS))]
+    for name, family, tp, overrides in runs:
+        if family not in installed_families():
+            continue
+        overrides = {"num_key_value_heads": 4, **overrides}
+        pristine = build_example(family, base / f"{name}-pristine", overrides=overrides)
+        patched = _patch(build_example(family, base / name, overrides=overrides))
+        jobs.append((tp, {"name": name, "model": str(patched), "reference": str(pristine), "phases": ["codegen"],
+                          "options": decode}))
+    return jobs
+
+
+def _run_id(family: str, tp: int, overrides: dict) -> str:
+    return f"{family}-tp{tp}{'-latent' if overrides else ''}"
+
+
+WORLD4 = "hub_deepseek-tp2"
 
 
 @pytest.fixture(scope="module")
-def four_ranks(_tiny_templates, tmp_path_factory):
-    import shutil
+def four_rank_runs(_tiny_templates, tmp_path_factory) -> dict[str, dict[str, list[dict]]]:
+    """{run id: {phase: [rank 0 figures, ..., rank 3]}}: every run of 4 ranks, in one launch per tp size (the
+    start, the imports and DeepSpeed's set-up paid once per launch, not per run)."""
+    from codegen.harness.launcher import launch
 
-    from codegen.harness.launcher import run_phases
-    from codegen.modeldir.pristine import materialize_unpatched
+    by_tp: dict[int, list[dict]] = {}
+    for tp, job in _four_rank_jobs(_tiny_templates, tmp_path_factory):
+        by_tp.setdefault(tp, []).append(job)
+    runs = {}
+    for tp, jobs in by_tp.items():
+        ranks = launch({"tp": tp, "options": {}, "jobs": jobs}, 4, timeout=900, what=f"4 ranks, tp {tp}")
+        for job in jobs:
+            runs[job["name"]] = {phase: [r["jobs"][job["name"]][phase] for r in ranks] for phase in job["phases"]}
+    return runs
 
-    directory = tmp_path_factory.mktemp("world4") / "hub_deepseek"
-    shutil.copytree(_tiny_templates["hub_deepseek"], directory)
-    _patch(directory)
-    with tempfile.TemporaryDirectory() as tmp:
-        pristine = materialize_unpatched(directory, Path(tmp) / "unpatched")
-        return run_phases(directory, pristine, ["no-policy", "codegen"], tp=2, world=4, timeout=900,
-                          options={"generate": 16, "grad_check": True, "tp_grain_size": 16})
+
+@pytest.fixture
+def four_ranks(four_rank_runs):
+    return four_rank_runs[WORLD4]
 
 
 def test_world4_tp2_results_match_one_process(four_ranks):
@@ -129,19 +176,10 @@ def _hybrid_runs() -> list[tuple[str, int]]:
 HYBRID_RUNS = _hybrid_runs()
 
 
-@pytest.fixture(scope="module", params=HYBRID_RUNS, ids=[f"{f}-tp{tp}" for f, tp in HYBRID_RUNS])
-def hybrid_four_ranks(request, tmp_path_factory):
-    from codegen.harness.examples import build_example
-    from codegen.harness.launcher import run_phases
-
+@pytest.fixture(params=HYBRID_RUNS, ids=[_run_id(f, tp, {}) for f, tp in HYBRID_RUNS])
+def hybrid_four_ranks(request, four_rank_runs):
     family, tp = request.param
-    base = tmp_path_factory.mktemp(f"hybrid-{family}")
-    pristine = build_example(family, base / "pristine", overrides={"num_key_value_heads": 4})
-    directory = build_example(family, base / family, overrides={"num_key_value_heads": 4})
-    _patch(directory)
-    # DeepSpeed's grain 8: it then splits the 32-wide per-expert layers of transformers 4.x evenly over 4 ranks too
-    return tp, run_phases(directory, pristine, ["codegen"], tp=tp, world=4, timeout=900,
-                          options={"generate": 8, "decode_check": 8, "tp_grain_size": 8})["codegen"]
+    return tp, four_rank_runs[_run_id(family, tp, {})]["codegen"]
 
 
 def test_hybrid_on_four_ranks_matches_one_process_through_8_decode_steps(hybrid_four_ranks):
@@ -179,20 +217,10 @@ def _single_mixer_runs() -> list[tuple[str, int, dict]]:
 SINGLE_MIXER_RUNS = _single_mixer_runs()
 
 
-@pytest.fixture(scope="module", params=SINGLE_MIXER_RUNS,
-                ids=[f"{f}-tp{tp}{'-latent' if o else ''}" for f, tp, o in SINGLE_MIXER_RUNS])
-def single_mixer_four_ranks(request, tmp_path_factory):
-    from codegen.harness.examples import build_example
-    from codegen.harness.launcher import run_phases
-
+@pytest.fixture(params=SINGLE_MIXER_RUNS, ids=[_run_id(f, tp, o) for f, tp, o in SINGLE_MIXER_RUNS])
+def single_mixer_four_ranks(request, four_rank_runs):
     family, tp, overrides = request.param
-    base = tmp_path_factory.mktemp(f"single-{family}")
-    overrides = {"num_key_value_heads": 4, **overrides}  # tp 4 divides every head count
-    pristine = build_example(family, base / "pristine", overrides=overrides)
-    directory = build_example(family, base / family, overrides=overrides)
-    _patch(directory)
-    return family, tp, run_phases(directory, pristine, ["codegen"], tp=tp, world=4, timeout=900,
-                                  options={"generate": 8, "decode_check": 8, "tp_grain_size": 8})["codegen"]
+    return family, tp, four_rank_runs[_run_id(family, tp, overrides)]["codegen"]
 
 
 def test_single_mixer_blocks_on_four_ranks_match_one_process_through_8_decode_steps(single_mixer_four_ranks):
@@ -227,20 +255,14 @@ def test_single_mixer_blocks_on_four_ranks_match_one_process_through_8_decode_st
 EXPERT_SETS_RUNS = [name for name, family in TABLE.items() if family.expert_sets][:1]
 
 
-@pytest.fixture(scope="module", params=EXPERT_SETS_RUNS)
-def expert_sets_four_ranks(request, tmp_path_factory):
-    from codegen.harness.examples import build_example, installed_families
-    from codegen.harness.launcher import run_phases
+@pytest.fixture(params=EXPERT_SETS_RUNS)
+def expert_sets_four_ranks(request, four_rank_runs):
+    from codegen.harness.examples import installed_families
 
     family = request.param
     if family not in installed_families():
         pytest.skip(f"{family} is not in the installed transformers")
-    base = tmp_path_factory.mktemp(f"sets-{family}")
-    pristine = build_example(family, base / "pristine", overrides={"num_key_value_heads": 4})
-    directory = build_example(family, base / family, overrides={"num_key_value_heads": 4})
-    _patch(directory)
-    return run_phases(directory, pristine, ["codegen"], tp=4, world=4, timeout=900,
-                      options={"generate": 8, "decode_check": 8, "tp_grain_size": 8})["codegen"]
+    return four_rank_runs[_run_id(family, 4, {})]["codegen"]
 
 
 def test_several_expert_sets_on_four_ranks_match_one_process_with_an_image(expert_sets_four_ranks):

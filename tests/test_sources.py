@@ -18,7 +18,7 @@ from pathlib import Path
 
 
 from codegen.families import supported_model_types
-from conftest import tree_digest
+from conftest import CORPORA, tree_digest
 from test_hardening import (  # noqa: F401 - fast is a fixture
     HUB_DEEPSEEK_CONFIG, QWEN_CONFIG, Tally, assert_clean, build, cached, cli, fast, listing, warm,
 )
@@ -254,6 +254,7 @@ def source_corpus(work: Path) -> Tally:
     return tally
 
 
+@CORPORA
 def test_hostile_and_odd_sources_patch_correctly_or_fail_precisely(tmp_path):
     assert_clean(cached("bad-sources", lambda: source_corpus(tmp_path)))
 
@@ -399,5 +400,6 @@ def warm_and_run_config_corpus(work: Path) -> Tally:
     return config_corpus(work)
 
 
+@CORPORA
 def test_bad_config_values_exit_2_with_one_line_or_are_normalised(tmp_path, fast):
     assert_clean(cached("bad-configs", lambda: warm_and_run_config_corpus(tmp_path)))
