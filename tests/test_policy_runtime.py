@@ -1234,10 +1234,17 @@ def test_threads_are_the_ranks_share_of_the_cores_unless_omp_num_threads_says():
     assert rt.local_ranks({"LOCAL_WORLD_SIZE": "4"}) == 4 and rt.local_ranks({}, world=3) == 3
 
 
-def test_the_op_build_dir_is_per_environment():
+def test_the_op_build_dir_is_per_environment(tmp_path):
     a = rt.extensions_dir({"XDG_CACHE_HOME": "/c"}, "/envs/a/.venv")
     b = rt.extensions_dir({"XDG_CACHE_HOME": "/c"}, "/envs/b/.venv")
     assert a != b and a.startswith("/c/torch_extensions/codegen-.venv-") and b.startswith("/c/torch_extensions/")
+    # one environment reached through links (two checkouts linking one cached virtualenv): one build dir
+    (tmp_path / "cached-env").mkdir()
+    for clone in ("one", "two"):
+        (tmp_path / clone).mkdir()
+        (tmp_path / clone / ".venv").symlink_to(tmp_path / "cached-env")
+    linked = {rt.extensions_dir({"XDG_CACHE_HOME": "/c"}, str(tmp_path / clone / ".venv")) for clone in ("one", "two")}
+    assert linked == {rt.extensions_dir({"XDG_CACHE_HOME": "/c"}, str(tmp_path / "cached-env"))}
 
 
 def test_fingerprints_are_exact_and_tell_different_inputs_apart():

@@ -41,7 +41,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'gemma4', 'moe_classes': ['Gemma4TextDecoderLayer'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': ''}, 'shared': [], 'routers': ['router'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': ['vision_tower', 'embed_vision', 'audio_tower', 'embed_audio'], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'num_global_key_value_heads', 'moe_intermediate_size', 'intermediate_size'], 'linear_attention': None, 'block_reductions': ['self_attn', 'mlp']}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_gemma4'
-RUNTIME_SHA256 = '583d30c7212f828d506b24fb7ed337350822ecd621b8a0236b50dd6051d3907a'
+RUNTIME_SHA256 = 'fd40130ed1ae47024216d40a86107c2373c181b9942d846bd2fba91ad4659bf1'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -247,9 +247,10 @@ LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL
 
 def extensions_dir(env=None, prefix=None):
     """A torch-extensions build dir of this Python environment, where DeepSpeed builds its CPU op when nothing
-    says otherwise: under ~/.cache/torch_extensions, keyed by the environment (its name and a hash of its path)."""
+    says otherwise: under ~/.cache/torch_extensions, keyed by the environment (its name and a hash of its real path,
+    so one environment reached through links, e.g. several checkouts linking one cached virtualenv, builds once)."""
     env = os.environ if env is None else env
-    prefix = sys.prefix if prefix is None else prefix
+    prefix = os.path.realpath(sys.prefix if prefix is None else prefix)
     base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     tag = hashlib.sha256(prefix.encode()).hexdigest()[:10]
     return os.path.join(base, "torch_extensions", f"codegen-{os.path.basename(prefix.rstrip('/'))}-{tag}")

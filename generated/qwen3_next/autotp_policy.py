@@ -40,7 +40,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'qwen3_next', 'moe_classes': ['Qwen3NextSparseMoeBlock'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': ''}, 'shared': ['shared_expert'], 'routers': ['gate', 'shared_expert_gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn', 'linear_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'linear_num_key_heads', 'linear_num_value_heads', 'moe_intermediate_size', 'shared_expert_intermediate_size', 'intermediate_size'], 'linear_attention': {'attr': 'linear_attn', 'projections': [['in_proj_qkvz', []], ['in_proj_ba', []]], 'conv': 'conv1d', 'conv_segments': ['key_dim', 'key_dim', 'value_dim'], 'head_params': ['A_log', 'dt_bias'], 'output': 'out_proj', 'local_sizes': ['num_k_heads', 'num_v_heads', 'key_dim', 'value_dim', 'conv_dim']}}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_qwen3_next'
-RUNTIME_SHA256 = '583d30c7212f828d506b24fb7ed337350822ecd621b8a0236b50dd6051d3907a'
+RUNTIME_SHA256 = 'fd40130ed1ae47024216d40a86107c2373c181b9942d846bd2fba91ad4659bf1'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -246,9 +246,10 @@ LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL
 
 def extensions_dir(env=None, prefix=None):
     """A torch-extensions build dir of this Python environment, where DeepSpeed builds its CPU op when nothing
-    says otherwise: under ~/.cache/torch_extensions, keyed by the environment (its name and a hash of its path)."""
+    says otherwise: under ~/.cache/torch_extensions, keyed by the environment (its name and a hash of its real path,
+    so one environment reached through links, e.g. several checkouts linking one cached virtualenv, builds once)."""
     env = os.environ if env is None else env
-    prefix = sys.prefix if prefix is None else prefix
+    prefix = os.path.realpath(sys.prefix if prefix is None else prefix)
     base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     tag = hashlib.sha256(prefix.encode()).hexdigest()[:10]
     return os.path.join(base, "torch_extensions", f"codegen-{os.path.basename(prefix.rstrip('/'))}-{tag}")

@@ -22,9 +22,10 @@ LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL
 
 def extensions_dir(env=None, prefix=None):
     """A torch-extensions build dir of this Python environment, where DeepSpeed builds its CPU op when nothing
-    says otherwise: under ~/.cache/torch_extensions, keyed by the environment (its name and a hash of its path)."""
+    says otherwise: under ~/.cache/torch_extensions, keyed by the environment (its name and a hash of its real path,
+    so one environment reached through links, e.g. several checkouts linking one cached virtualenv, builds once)."""
     env = os.environ if env is None else env
-    prefix = sys.prefix if prefix is None else prefix
+    prefix = os.path.realpath(sys.prefix if prefix is None else prefix)
     base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     tag = hashlib.sha256(prefix.encode()).hexdigest()[:10]
     return os.path.join(base, "torch_extensions", f"codegen-{os.path.basename(prefix.rstrip('/'))}-{tag}")
