@@ -19,7 +19,9 @@ cd "$(dirname "$0")/.."
 # bytecode on: pytest keeps its assertion-rewritten test modules in tests/__pycache__ (git ignores it), which
 # every later pytest run, worker and environment of the same Python reuses instead of rewriting them again
 unset PYTHONDONTWRITEBYTECODE
-pytest() { local venv=$1; shift; "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"; }
+# through the venv's real path: a cached venv linked from several clones then looks the same to DeepSpeed's JIT build
+# of its CPU op (its include paths), which is built once and reused instead of rebuilt in every clone
+pytest() { local venv; venv=$(cd "$1" && pwd -P); shift; "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"; }
 parallel=(-n 2 --dist loadgroup)
 if [[ ${1:-} == --fast ]]; then
     shift
