@@ -114,13 +114,12 @@ def _start_vllm(model_dir: Path, max_batch: int, log: Path) -> tuple[subprocess.
     on the unpatched dir, with the cores split between its 2 ranks as the bench splits them."""
     import urllib.request
 
-    from codegen.harness.peer import KV_CACHE_GIB, VLLM_VERSION, ensure_venv, thread_binding
+    from codegen.harness.peer import VLLM_VERSION, cpu_env, ensure_venv
     from codegen.ranks import free_port
 
     venv = ensure_venv(lambda line: print(line, file=sys.stderr))
     port = free_port()
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB,
-           "VLLM_CPU_OMP_THREADS_BIND": thread_binding(2), "TOKENIZERS_PARALLELISM": "false"}
+    env = cpu_env(2)
     # the API server's module: the `vllm` script asks for the distribution `vllm`, and this one is `vllm-cpu`
     proc = subprocess.Popen([str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model",
                              str(model_dir), "--tensor-parallel-size", "2", "--dtype", "float32", "--port", str(port),

@@ -97,6 +97,13 @@ def thread_binding(tp: int) -> str:
     return "|".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
+def cpu_env(tp: int) -> dict[str, str]:
+    """The environment vLLM's CPU engine runs in beside codegen (the bench's peer, scripts/serve_load.py): CPU device,
+    its KV cache size, and the cores split between its `tp` ranks."""
+    return {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB,
+            "VLLM_CPU_OMP_THREADS_BIND": thread_binding(tp), "TOKENIZERS_PARALLELISM": "false"}
+
+
 def prompts(vocab: int, batch: int, prompt_len: int) -> list[list[int]]:
     """The bench's prompt tokens (codegen.harness.worker.main draws the same, seed 1)."""
     import torch
@@ -114,8 +121,7 @@ def run_peer(kind: str, tp: int, dtype: str, root: Path, progress: Progress) -> 
     families = families_of(kind)
     built = build_examples(families, settings["size"], root, progress,
                            dtype if settings["size"] == "full" else "float32")
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB,
-           "VLLM_CPU_OMP_THREADS_BIND": thread_binding(tp), "TOKENIZERS_PARALLELISM": "false"}
+    env = cpu_env(tp)
     runner = Path(__file__).resolve().parent / "vllm_peer_runner.py"
     rows, version = [], None
     for family in families:
