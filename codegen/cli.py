@@ -191,6 +191,9 @@ def _add_serve(sub) -> None:
                    help="require `Authorization: Bearer KEY` on /v1/* (default: the CODEGEN_API_KEY environment "
                         "variable, else none)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--compile", action="store_true",
+                   help="run each rank's forward compiled (torch.compile, the policy's compile=True): the first "
+                        "request of each new shape kind compiles, later ones run the compiled graphs")
     _debug_flag(p, top=False)
 
 
@@ -207,6 +210,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--json", action="store_true", help="print the answer as JSON (text, tokens, finish_reason)")
+    p.add_argument("--compile", action="store_true",
+                   help="run each rank's forward compiled (torch.compile, the policy's compile=True): the first "
+                        "request of each new shape kind compiles, later ones run the compiled graphs")
     _debug_flag(p, top=False)
 
 
@@ -464,7 +470,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      progress=lambda line: print(one_line(line), flush=True), max_model_len=args.max_model_len,
                      max_num_tokens=args.max_num_tokens, max_waiting=args.max_waiting,
                      limit_concurrency=args.limit_concurrency, request_timeout=args.request_timeout,
-                     api_key=args.api_key or os.environ.get("CODEGEN_API_KEY") or None)
+                     api_key=args.api_key or os.environ.get("CODEGEN_API_KEY") or None, compile=args.compile)
     except KeyboardInterrupt:
         print("interrupted: the ranks are stopped", file=sys.stderr)
         return errors.INTERRUPTED
@@ -485,7 +491,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = {"greedy": greedy, "temperature": args.temperature or 1.0, "top_p": args.top_p,
                 "seed": None if greedy else args.seed}
     answer = launch.generate(args.model_dir, args.tp, args.prompt, args.max_tokens, sampling, args.dtype,
-                             args.device)
+                             args.device, compile=args.compile)
     print(json.dumps(answer) if args.json else answer["text"])
     return errors.OK
 

@@ -90,7 +90,7 @@ def test_smoke_run_succeeds_with_one_line_progress_and_no_traceback(smoke):
         (work,) = (out / "work").iterdir()
         assert (work / family / "patched" / ".codegen" / "manifest.json").is_file()
         plan = _row(record, family)["memory_estimate"]
-        assert plan["groups"] == [["stock", "codegen", "native"]]  # tiny: every setup side by side
+        assert plan["groups"] == [["stock", "codegen", "compiled", "native"]]  # tiny: every setup side by side
         assert plan["plan"]["peak_total"] < plan["available_bytes"]
 
 
@@ -111,6 +111,30 @@ def test_codegen_reduces_once_per_moe_layer_in_prefill_and_decode(smoke, family)
     assert b["counts_same_on_all_ranks"]
     assert family in STOCK_AUTOTP_CRASHES or e["stock"]["counts_same_on_all_ranks"]
     assert b["decode_tokens_per_s"] == pytest.approx(e["batch"] / b["decode"]["median"])
+
+
+@pytest.mark.runtime
+@pytest.mark.parametrize("family", SMOKE)
+def test_compiled_codegen_reduces_once_per_moe_layer_inside_its_graphs(smoke, family):
+    """(f): (b)'s model with its forward compiled: every graph it captured is a whole forward holding exactly (b)'s
+    reductions, all of them the ordered functional op; same counts per forward, same numerics, same tokens."""
+    _, _, record = smoke
+    e = _row(record, family)
+    f, b = e["compiled"], e["codegen"]
+    expected = 2 * e["num_layers"] + 1
+    compiled = f["compile"]
+    assert compiled["fallback"] is None and compiled["graphs"] >= 3 and compiled["cold_s"] > 0
+    assert [g["all_reduces"] for g in compiled["graph_collectives"]] == [expected] * compiled["graphs"]
+    assert {g["swapped_all_reduce"] for g in compiled["graph_collectives"]} == {expected}
+    assert {g["other_collectives"] for g in compiled["graph_collectives"]} == {0}
+    assert compiled["recaptured_while_timed"] == 0  # no recompilation per call once every shape kind ran
+    assert f["allreduce_prefill"] == expected == f["allreduce_decode_step"]["max"] == f["allreduce_decode_step"]["min"]
+    assert f["allreduce_prefill_per_moe_layer"] == [1] * e["moe_layers"] == b["allreduce_prefill_per_moe_layer"]
+    assert f["allreduce_decode_per_moe_layer_max"] == 1 == f["allreduce_decode_per_moe_layer_min"]
+    assert max(f["relative_prefill"], f["relative_decode"]) < 1e-5
+    assert f["token_agreement"] == 1.0 and f["e2e"]["new_tokens"] == 4
+    assert f["param_bytes_per_rank"] == b["param_bytes_per_rank"]  # (b)'s weights, no copy
+    assert e["ratio_f_over_b"]["decode_median"] > 0
 
 
 @pytest.mark.runtime
@@ -233,7 +257,7 @@ def test_machine_limits_and_floors_are_recorded(smoke):
             assert rank["dtype"] == "float32" and rank["gemm_n"] >= 256
     assert limits["tp"]["per_rank"][0]["concurrent_ranks"] == record["tp"]
     for row in record["rows"]:
-        for mode in ("stock", "codegen", "native", "single"):
+        for mode in ("stock", "codegen", "compiled", "native", "single"):
             figures = row.get(mode)
             if figures is None or "crashed" in figures:
                 continue

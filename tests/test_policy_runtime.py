@@ -1614,3 +1614,75 @@ def test_non_gated_experts_behind_latent_projections_sum_to_the_whole_with_the_b
     with pytest.raises(rt.PolicyError) as info:  # an expert width the world does not divide
         rt.shard_experts(build(), "mixer", 0, 3, layout, nn.Linear, type(None))
     assert "cannot split the expert size 4 over 3 ranks" in _one_line(info)
+
+
+# ------------------------------------------------------------------------------------ compiled ranks (compiled.py)
+
+
+def _named(module: str, name: str):
+    """A stand-in for an op of another library, named as a captured graph names it (`module.name`)."""
+    def op(*args):
+        return args[0]
+    op.__module__, op.__qualname__ = module, name
+    return op
+
+
+def test_compiled_ranks_swap_every_reduction_for_the_ordered_functional_op():
+    rt.register_ops()
+    deepspeed_reduce = _named("deepspeed", "inference_all_reduce_")
+    fallback = _named("transformers", "grouped_mm_fallback")
+    graph = torch.fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    a = graph.call_function(torch.matmul, (x, w))
+    graph.call_function(deepspeed_reduce, (a,))  # in place, its result unused: as DeepSpeed's layers issue it
+    b = graph.call_function(torch.add, (a, 1.0))
+    graph.call_function(deepspeed_reduce, (b,))
+    c = graph.call_function(fallback, (b, w, x))
+    graph.output(c)
+    assert rt.swap_ops(graph) == {"all_reduce": 2, "grouped_mm": 1}
+    graph.lint()
+    reductions = [n for n in graph.nodes if n.target is torch.ops.codegen.tp_all_reduce.default]
+    # each after the one before it: inductor cannot reorder them, so every rank issues them in one order
+    assert [r.args[1] for r in reductions] == [None, reductions[0]]
+    assert [r.args[0] for r in reductions] == [a, b]
+    # the in-place result is written back where the eager op wrote it: what reads `b` later reads the sum
+    assert [n.args for n in graph.nodes if n.op == "call_method"] == [(a, reductions[0]), (b, reductions[1])]
+    assert c.target is torch.ops.codegen.grouped_mm.default
+    assert rt.graph_collectives(graph) == (2, 0)
+    assert not any(n.target in (deepspeed_reduce, fallback) for n in graph.nodes)
+
+
+def test_the_compiled_reduction_is_never_dead_code():
+    from torch._library.utils import is_impure
+
+    rt.register_ops()
+    assert is_impure(torch.ops.codegen.tp_all_reduce.default)  # a rank that needs no result still owes its side
+
+
+def test_the_compiled_grouped_matmul_is_torchs_kernel_with_a_fake_for_tracing():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    rt.register_ops()
+    torch.manual_seed(0)
+    experts, width, out = 4, 16, 8
+    rows = torch.randn(10, width)
+    weight = torch.randn(experts, width, out)
+    ends = torch.tensor([3, 3, 7, 10])
+    got = torch.ops.codegen.grouped_mm(rows, weight, ends)
+    starts = [0, 3, 3, 7]
+    want = torch.cat([rows[s:e] @ weight[i] for i, (s, e) in enumerate(zip(starts, ends.tolist()))])
+    assert torch.allclose(got, want, atol=1e-5)
+    with FakeTensorMode() as mode:
+        fake = torch.ops.codegen.grouped_mm(mode.from_tensor(rows), mode.from_tensor(weight), mode.from_tensor(ends))
+    assert tuple(fake.shape) == (10, out)
+
+
+def test_a_policy_loaded_from_a_file_becomes_importable_for_the_compiler(monkeypatch):
+    name = "codegen_test_compiled_policy"
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    namespace = {"__name__": name, "init_inference": lambda: None}
+    rt.importable(namespace)
+    assert sys.modules[name].init_inference is namespace["init_inference"]
+    rt.importable(namespace)  # again: the same module, nothing to do
+    with pytest.raises(rt.PolicyError, match="another module is imported as"):
+        rt.importable({"__name__": name, "init_inference": lambda: None})

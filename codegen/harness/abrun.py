@@ -15,13 +15,13 @@ from codegen.harness.results import ratios, summarise_ab
 #: `toy` the default recorded run (scaled-down widths), `full` the published widths (2 layers, small vocab)
 SETTINGS: dict[str, dict] = {
     "smoke": dict(size="tiny", prompt_len=32, batches=(1,), decode_steps=4, warmup=1, prefill_repeats=2,
-                  patch_trials=1, setups=("stock", "codegen", "native"), timeout=900.0, families_of="bench",
-                  single=True, e2e_tokens=4, e2e_repeats=1),
+                  patch_trials=1, setups=("stock", "codegen", "compiled", "native"), timeout=900.0, families_of="bench",
+                  single=True, e2e_tokens=4, e2e_repeats=1, compile_warm=False, compile_cache_kept=True),
     "toy": dict(size="bench", prompt_len=128, batches=(1, 16), decode_steps=48, warmup=4, prefill_repeats=8,
-                patch_trials=3, setups=("stock", "codegen", "native"), timeout=1800.0, single=True, e2e_tokens=32,
+                patch_trials=3, setups=("stock", "codegen", "compiled", "native"), timeout=1800.0, single=True, e2e_tokens=32,
                 e2e_repeats=2),
     "full": dict(size="full", prompt_len=64, batches=(1, 16), decode_steps=16, warmup=2, prefill_repeats=3,
-                 patch_trials=0, setups=("stock", "codegen", "native"), timeout=3000.0, single=True, e2e_tokens=16,
+                 patch_trials=0, setups=("stock", "codegen", "compiled", "native"), timeout=3000.0, single=True, e2e_tokens=16,
                  e2e_repeats=1),
     # the demo: tiny dirs, counts and logits only, (a) vs (b); no machine limits (no times shown)
     "demo": dict(size="tiny", prompt_len=32, batches=(1,), decode_steps=2, warmup=1, prefill_repeats=1,
@@ -30,7 +30,7 @@ SETTINGS: dict[str, dict] = {
 #: (e)'s setup, run in a launch of one process after the tensor-parallel launches (`single` in SETTINGS)
 SINGLE = ("single",)
 #: two interleaved groups sharing (b), when the three setups do not fit in memory side by side
-PAIRS = (("stock", "codegen"), ("codegen", "native"))
+PAIRS = (("stock", "codegen", "compiled"), ("codegen", "native"))
 
 
 def families_of(kind: str) -> tuple[str, ...]:
@@ -53,7 +53,7 @@ def run_ab(kind: str, families: tuple[str, ...], tp: int, device: str, root: Pat
     """
     from codegen.harness.examples import shape_of
     from codegen.harness.launcher import launch
-    from codegen.harness.opcache import shm_op_cached
+    from codegen.harness.opcache import codegen_cache, shm_op_cached
 
     settings = SETTINGS[kind]
     dirs = prepare_examples(families, settings["size"], root, progress, echo=echo_patch,
@@ -74,7 +74,10 @@ def run_ab(kind: str, families: tuple[str, ...], tp: int, device: str, root: Pat
         progress(f"starting {tp} {device.upper()} ranks ({', '.join(launched)}); every timed step runs each setup "
                  "back to back, in rotating order")
         spec = ab_spec(dirs, [job for job in jobs if job["family"] in launched], tp, device, dtype, settings)
-        for k, rank in enumerate(launch(spec, tp, settings["timeout"], progress, what="benchmark")):
+        # the smoke run (CI) keeps compiled graphs in codegen's cache dir: a later run compiles from it, warm
+        cache = str(codegen_cache() / "inductor") if settings.get("compile_cache_kept") else None
+        for k, rank in enumerate(launch(spec, tp, settings["timeout"], progress, what="benchmark",
+                                        inductor_cache=cache)):
             measured.append(rank.get("limits") or {})
             if k < len(ranks):
                 ranks[k]["jobs"].update(rank["jobs"])

@@ -148,21 +148,26 @@ def _codegen_problems(r: dict, tolerance: float | None) -> list[str]:
 
 
 def ab_problems(family: str, e: dict, tolerance: float | None = TOLERANCE) -> list[str]:
-    """Problems of one family's summarised ab entry (codegen.harness.results.summarise_ab): (b) is codegen."""
-    found = []
-    b = e["codegen"]
-    if not e["moe_layers"]:
-        found.append(f"{family}: no MoE layers found")
-    if not once_per_layer(b["allreduce_prefill_per_moe_layer"]):
-        found.append(f"{family}: codegen all-reduces per MoE layer in prefill {b['allreduce_prefill_per_moe_layer']}, "
-                     "expected 1")
-    lo = b.get("allreduce_decode_per_moe_layer_min", b["allreduce_decode_per_moe_layer_mean"])
-    if e["moe_layers"] and not (lo == b["allreduce_decode_per_moe_layer_max"] == 1):
-        found.append(f"{family}: codegen all-reduces per MoE layer in decode "
-                     f"{_count(lo)}-{_count(b['allreduce_decode_per_moe_layer_max'])}, expected 1")
-    for mode in ("stock", "codegen", "native"):
+    """Problems of one family's summarised ab entry (codegen.harness.results.summarise_ab): (b) is codegen, (f)
+    codegen compiled, each held to the same counts and numerics."""
+    found = [f"{family}: no MoE layers found"] if not e["moe_layers"] else []
+    for mode in ("stock", "codegen", "compiled", "native"):
         if mode in e and e[mode].get("crashed") is None and not e[mode]["counts_same_on_all_ranks"]:
             found.append(f"{family}: {mode} all-reduce counts differ between ranks")
+    found += _codegen_problems(f"{family}: codegen", e["codegen"], e, tolerance)
+    if "compiled" in e:
+        found += _codegen_problems(f"{family}: codegen compiled", e["compiled"], e, tolerance)
+    return found
+
+
+def _codegen_problems(who: str, b: dict, e: dict, tolerance: float | None) -> list[str]:
+    found = []
+    if not once_per_layer(b["allreduce_prefill_per_moe_layer"]):
+        found.append(f"{who} all-reduces per MoE layer in prefill {b['allreduce_prefill_per_moe_layer']}, expected 1")
+    lo = b.get("allreduce_decode_per_moe_layer_min", b["allreduce_decode_per_moe_layer_mean"])
+    if e["moe_layers"] and not (lo == b["allreduce_decode_per_moe_layer_max"] == 1):
+        found.append(f"{who} all-reduces per MoE layer in decode "
+                     f"{_count(lo)}-{_count(b['allreduce_decode_per_moe_layer_max'])}, expected 1")
     worst = max(b["maxdiff_prefill"], b["maxdiff_decode"])
     if e.get("dtype", "float32") == "float32":
         # absolute, or relative to the logits where they are large: a 128-token float32 prefill through a chunked
@@ -170,13 +175,13 @@ def ab_problems(family: str, e: dict, tolerance: float | None = TOLERANCE) -> li
         # order (transformers' native TP: 1.4e-5), i.e. 1.5e-6 relative; a sharding bug is of order 1e-1
         relative = max(b.get("relative_prefill", worst), b.get("relative_decode", worst))
         if not within_tolerance(worst, tolerance) and not within_tolerance(relative, tolerance):
-            found.append(f"{family}: codegen logits differ from the single-process model by {worst:.2e} "
+            found.append(f"{who} logits differ from the single-process model by {worst:.2e} "
                          f"(relative {relative:.2e}) > {tolerance:g}")
         return found
     limit = low_precision_limit(e["reference"].get("single_process_error"))
     relative = max(b["relative_prefill"], b["relative_decode"])
     if limit is not None and relative > limit:
-        found.append(f"{family}: codegen {e['dtype']} logits differ from the float32 single-process model by "
+        found.append(f"{who} {e['dtype']} logits differ from the float32 single-process model by "
                      f"{relative:.2e} (relative) > {limit:.2e} ({LOW_PRECISION_FACTOR:g}x the single-process "
                      f"{e['dtype']} model's own error)")
     return found

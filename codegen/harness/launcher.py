@@ -12,6 +12,7 @@ no policy (stock AutoTP, native TP) are removed when they end.
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -23,12 +24,18 @@ from codegen.rank_commands import WORKER
 from codegen.ranks import LocalRanks, free_port, last_error_line, remove_shm_buffers
 
 
+#: where torch.compile's inductor keeps compiled graphs (torch's variable)
+INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
+
+
 def launch(spec: dict, world: int, timeout: float = 600.0, progress: Callable[[str], None] | None = None,
-           what: str = "run") -> list[dict]:
+           what: str = "run", inductor_cache: str | None = None) -> list[dict]:
     """Run codegen.harness.worker.main on `world` local ranks with `spec`; return each rank's record (rank order).
 
     spec: {"tp", "device", "dtype", "options": {...}, "jobs": [{"name", "model", "reference", "phases",
     "options"?}]} (see codegen.harness.worker.main). Any failure is one line (VerifyFailed).
+    `inductor_cache`: where torch.compile keeps compiled graphs (default: the launch's own, empty, so a compile
+    cost measured is a cold one; $TORCHINDUCTOR_CACHE_DIR, where set, wins).
     """
     device = spec.get("device", "cpu")
     with tempfile.TemporaryDirectory(prefix="codegen-ranks-") as out:
@@ -36,11 +43,17 @@ def launch(spec: dict, world: int, timeout: float = 600.0, progress: Callable[[s
         spec_path.write_text(json.dumps(spec))
         args = ["--spec", str(spec_path), "--out", out]
         started = time.monotonic()
+        # the compiled setup's cold compile cost starts from an empty inductor cache: this launch's own
+        own_cache = INDUCTOR_CACHE not in os.environ
         for attempt in range(2):
             port = free_port()
             try:
+                if own_cache:
+                    os.environ[INDUCTOR_CACHE] = inductor_cache or str(Path(out, "inductor"))
                 codes, timed_out, logs = _start(args, world, port, timeout, Path(out), device, progress)
             finally:
+                if own_cache:
+                    os.environ.pop(INDUCTOR_CACHE, None)
                 remove_shm_buffers(port)
             port_taken = "EADDRINUSE" in logs or "address already in use" in logs.lower()
             if attempt == 0 and any(codes) and port_taken:

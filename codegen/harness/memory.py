@@ -33,8 +33,12 @@ SETUPS = (SETUP_STOCK, SETUP_CODEGEN, SETUP_NATIVE)
 #: (e): the unpatched model, unsharded, in one process on every core the ranks have together; it cannot share the
 #: ranks' processes, so it runs in a launch of its own (one rank) after theirs
 SETUP_SINGLE = "single"
-#: the order codegen.harness.worker.main loads them in: codegen's whole-copy transient first, while nothing else is held
-LOAD_ORDER = (SETUP_CODEGEN, SETUP_NATIVE, SETUP_STOCK, SETUP_SINGLE)
+#: (f): codegen's sharded model with its forward compiled (`init_inference(..., compile=True)`); it shares (b)'s
+#: weights in the same processes, so it holds no bytes of its own
+SETUP_COMPILED = "compiled"
+#: the order codegen.harness.worker.main loads them in: codegen's whole-copy transient first, while nothing else is
+#: held; (f) right after (b), whose model it compiles
+LOAD_ORDER = (SETUP_CODEGEN, SETUP_COMPILED, SETUP_NATIVE, SETUP_STOCK, SETUP_SINGLE)
 
 #: bytes per element of the dtypes a run uses (torch attribute names)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -125,9 +129,10 @@ def plan(parts: dict, tp: int, setups: list[str], experts_replicated_stock: bool
     """
     if tp < 1:
         raise ValueError(f"tp must be >= 1, got {tp}")
-    unknown = [s for s in setups if s not in SETUPS]
+    unknown = [s for s in setups if s not in SETUPS + (SETUP_COMPILED,)]
     if unknown:
-        raise ValueError(f"unknown setup(s) {', '.join(unknown)}; known: {', '.join(SETUPS)}")
+        raise ValueError(f"unknown setup(s) {', '.join(unknown)}; known: {', '.join(SETUPS + (SETUP_COMPILED,))}")
+    setups = [s for s in setups if s != SETUP_COMPILED]  # (b)'s weights
     sharded = math.ceil(parts["experts"] / tp)
     experts_per_rank = {
         SETUP_CODEGEN: sharded,

@@ -88,7 +88,8 @@ def ab_spec(dirs: dict[str, dict], jobs: list[dict], tp: int, device: str, dtype
         "limits": settings.get("limits", True),  # measure the machine's limits first (codegen.harness.worker.limits)
         "options": {"prompt_len": settings["prompt_len"], "generate": 0, "decode_steps": settings["decode_steps"],
                     "warmup": settings["warmup"], "repeats": settings["prefill_repeats"],
-                    "e2e_tokens": settings.get("e2e_tokens", 0), "e2e_repeats": settings.get("e2e_repeats", 1)},
+                    "e2e_tokens": settings.get("e2e_tokens", 0), "e2e_repeats": settings.get("e2e_repeats", 1),
+                    "compile_warm": settings.get("compile_warm", True)},
         "jobs": [{"name": job["name"], "model": str(dirs[job["family"]]["patched"]),
                   "reference": str(dirs[job["family"]]["unpatched"]), "phases": ["ab"],
                   "options": {"batch": job["batch"], "setups": list(job["setups"])}} for job in jobs],

@@ -37,7 +37,9 @@ def _count(x: float) -> str:
 
 
 #: the setups in table order, and their letters
-SETUP_ORDER = (("stock", "a"), ("codegen", "b"), ("native", "d"), ("single", "e"))
+SETUP_ORDER = (("stock", "a"), ("codegen", "b"), ("compiled", "f"), ("native", "d"), ("single", "e"))
+#: codegen's two setups: eager (b) and compiled (f)
+CODEGEN_SETUPS = ("codegen", "compiled")
 #: what the end-to-end columns hold besides: a peer engine's record (`bench --peer vllm --json`), as (v)
 PEER = "vllm"
 
@@ -114,9 +116,9 @@ def _over(b: float | None, other: float | None) -> str:
     return _fmt_ratio(b / other if b and other else None)
 
 
-def _b_over(row: dict, mode: str) -> str:
-    """b / another setup or the peer: decode step time, end-to-end time (< 1: codegen faster)."""
-    b, other = _present(row, "codegen"), _present(row, mode)
+def _b_over(row: dict, mode: str, base: str = "codegen") -> str:
+    """b (or f: `base`) / another setup or the peer: decode step time, end-to-end time (< 1: codegen faster)."""
+    b, other = _present(row, base), _present(row, mode)
     if b is None or other is None:
         return "–"
     return f"{_over(_time(b, 'decode'), _time(other, 'decode'))}, {_over(_time(b, 'e2e'), _time(other, 'e2e'))}"
@@ -130,6 +132,10 @@ def _pct(share: float | None) -> str:
     if share is None:
         return NO_LIMIT
     return f"{share:.0%}" if share >= 0.095 else f"{share:.1%}"
+
+
+def _seconds(value: float | None) -> str:
+    return "–" if value is None else f"{value:.1f}"
 
 
 def _of_limit(figures: dict, phase: str) -> str:
@@ -161,22 +167,23 @@ def _limits_line(rec: dict) -> str:
 NOT_FASTEST = "Where codegen is not fastest"
 
 
-def not_fastest(records: list[dict]) -> list[str]:
-    """Every row and setup whose time is shorter than codegen's (b/x above 1.00× as printed), one line per row:
-    the closing note and docs/results.md name these cells, so they are listed from the records, not by hand."""
+def not_fastest(records: list[dict], base: str = "codegen") -> list[str]:
+    """Every row and setup whose time is shorter than codegen's (`base`: (b), or (f) compiled; b/x above 1.00× as
+    printed), one line per row: the closing note and docs/results.md name these cells, so they are listed from the
+    records, not by hand."""
     lines = []
     for rec, row in _rows(records):
-        b = _present(row, "codegen")
+        b = _present(row, base)
         if b is None or row.get("not_run"):
             continue
         found = []
         for mode, letter in (*SETUP_ORDER, (PEER, "v")):
-            other = _present(row, mode) if mode != "codegen" else None
+            other = _present(row, mode) if mode not in CODEGEN_SETUPS else None
             if other is None:
                 continue
             # the bench's own ratio where it has one (a setup timed in another group than (b)'s main one is
             # compared with the (b) run beside it), else the two medians (the peer)
-            recorded = row.get(f"ratio_b_over_{letter}") or {}
+            recorded = (row.get(f"ratio_b_over_{letter}") or {}) if base == "codegen" else {}
             worse = []
             for phase, name in (("decode", "decode"), ("prefill", "prefill"), ("e2e", "end to end")):
                 mine, theirs = _time(b, phase), _time(other, phase)
@@ -196,10 +203,11 @@ def markdown(record_or_merged: dict) -> str:
     first = records[0]
     peers = any(PEER in row for _, row in _rows(records))
     lines = [
-        f"TP={first['tp']} on {first['device'].upper()}; (a) stock DeepSpeed AutoTP, (b) codegen, (d) transformers "
+        f"TP={first['tp']} on {first['device'].upper()}; (a) stock DeepSpeed AutoTP, (b) codegen, (f) codegen "
+        "compiled (`init_inference(..., compile=True)`, (b)'s model, its forward compiled), (d) transformers "
         "native TP (`tp_plan=\"auto\"`), (e) the unpatched model in one process on all the ranks' cores together, "
-        "each cell **a / b / d / e**"
-        + (" (end to end: **a / b / d / e / v**, (v) vLLM's CPU engine at the same TP)" if peers else "")
+        "each cell **a / b / f / d / e** (`–` where a record predates (f))"
+        + (" (end to end: **a / b / f / d / e / v**, (v) vLLM's CPU engine at the same TP)" if peers else "")
         + "; latency = slowest rank, median; decode "
         "teacher-forced with the float32 single-process model's greedy tokens; `crash` = that setup failed to load "
         "or run (below), `–` = not run. Collectives: all-reduces, `+Ng` = N other collectives (all-gathers). "
@@ -214,8 +222,9 @@ def markdown(record_or_merged: dict) -> str:
         "| model | transformers | dtype | batch | collectives / MoE layer (decode) | collectives / decode step "
         "| decode ms | decode tokens/s | prefill ms | expert MiB / rank | numerics | end-to-end tokens/s | TTFT ms "
         "| % of limit: decode | % of limit: prefill | % of limit: e2e "
-        "| b/a decode, prefill | b/d decode, prefill | b/e decode, e2e" + (" | b/v decode, e2e |" if peers else " |"),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if peers else ""),
+        "| b/a decode, prefill | b/d decode, prefill | b/e decode, e2e | f/b decode, e2e"
+        + (" | b/v decode, e2e | f/v decode, e2e |" if peers else " |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if peers else ""),
     ]
     notes: dict[str, list[str]] = {}  # one line per finding, naming the rows it holds for
     for rec, row in _rows(records):
@@ -225,7 +234,7 @@ def markdown(record_or_merged: dict) -> str:
             notes.setdefault(f"{row['family']} ({size_name(row['size'])} widths, transformers {tf}): not run: "
                              f"{row['not_run']}", []).append(where)
             lines.append(f"| {row['family']} ({label(row['family'])}, {size_name(row['size'])}) | {tf} | {row['dtype']} "
-                         f"| {row['batch']} | not run: does not fit in memory (notes) |" + " |" * (14 + peers))
+                         f"| {row['batch']} | not run: does not fit in memory (notes) |" + " |" * (15 + 2 * peers))
             continue
         for mode, letter in SETUP_ORDER:
             figures = row.get(mode)
@@ -249,12 +258,31 @@ def markdown(record_or_merged: dict) -> str:
             f"| {_e2e_cells(row, lambda e: format(e['ttft']['median'] * 1e3, '.0f'))} "
             f"| {_cells(row, lambda f: _of_limit(f, 'decode'))} | {_cells(row, lambda f: _of_limit(f, 'prefill'))} "
             f"| {_cells(row, lambda f: _of_limit(f, 'e2e'))} "
-            f"| {_ratio_cell(row, 'ratio_b_over_a')} | {_ratio_cell(row, 'ratio_b_over_d')} | {_b_over(row, 'single')} |"
-            + (f" {_b_over(row, PEER)} |" if peers else "")
+            f"| {_ratio_cell(row, 'ratio_b_over_a')} | {_ratio_cell(row, 'ratio_b_over_d')} | {_b_over(row, 'single')} "
+            f"| {_b_over(row, 'codegen', 'compiled')} |"
+            + (f" {_b_over(row, PEER)} | {_b_over(row, PEER, 'compiled')} |" if peers else "")
         )
     slower = not_fastest(records)
     lines += ["", f"{NOT_FASTEST} (b/x > 1.00×: setup x took less time than codegen; the reasons: "
               "docs/benchmark.md):", ""] + (slower or ["- none"])
+    compiled_rows = [(rec, row) for rec, row in _rows(records) if _present(row, "compiled")]
+    if compiled_rows:
+        lines += ["", f"{NOT_FASTEST}, compiled (f/x > 1.00×):", ""] + (not_fastest(records, "compiled") or ["- none"])
+        lines += ["", "Compile cost of (f), seconds, slowest rank: cold = an empty inductor cache (the first prefill, "
+                  "two decode steps and a short `generate`: every shape kind the bench runs), warm = the same again "
+                  "with torch.compile's in-memory state dropped and inductor's on-disk cache kept (a new process); "
+                  "graphs = the graphs captured cold; recaptured = graphs captured after that, while the bench timed "
+                  "(0: no recompilation per call); all-reduces = per graph:", "",
+                  "| model | transformers | dtype | batch | cold s | warm s | graphs | recaptured | all-reduces per graph |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for rec, row in compiled_rows:
+            c = row["compiled"].get("compile") or {}
+            per_graph = ", ".join(str(g["all_reduces"]) for g in c.get("graph_collectives", []))
+            lines.append(f"| {row['family']} ({label(row['family'])}, {size_name(row['size'])}) "
+                         f"| {rec['machine']['transformers']} | {row['dtype']} | {row['batch']} "
+                         f"| {c.get('cold_s', 0):.1f} | {_seconds(c.get('warm_s'))} | {c.get('graphs', '–')} "
+                         f"| {c.get('recaptured_while_timed', '–')} "
+                         f"| {per_graph or '–'}{' (fell back to eager: ' + c['fallback'] + ')' if c.get('fallback') else ''} |")
     if notes:
         lines += ["", "Notes (the rows each holds for):", ""]
         lines += [f"- {text} ({'; '.join(where)})" for text, where in notes.items()]
@@ -312,11 +340,11 @@ def chart(record_or_merged: dict, path: Path) -> None:
     labels = [f"{row['family']} {size_name(row['size'])}, tf {rec['machine']['transformers']}, "
               f"{'bf16' if row['dtype'] == 'bfloat16' else 'fp32'}, batch {row['batch']}" for rec, row in rows]
     y = list(range(len(rows)))
-    h = 0.2
-    fig, axes = plt.subplots(1, 4, figsize=(20, 1.6 + 0.4 * len(rows)), sharey=True)
-    colours = {"stock": "#c44e52", "codegen": "#4c72b0", "native": "#55a868", "single": "#8172b2"}
-    names = {"stock": "(a) stock AutoTP", "codegen": "(b) codegen", "native": "(d) transformers native TP",
-             "single": "(e) one process, all cores"}
+    h = 0.16
+    fig, axes = plt.subplots(1, 4, figsize=(20, 1.6 + 0.5 * len(rows)), sharey=True)
+    colours = {"stock": "#c44e52", "codegen": "#4c72b0", "compiled": "#64b5cd", "native": "#55a868",
+               "single": "#8172b2"}
+    from codegen.harness.worker.run import LABELS as names  # the setups' labels, one definition
 
     def relative(key: str):
         return lambda f, b: f[key]["median"] / b[key]["median"]
@@ -333,7 +361,7 @@ def chart(record_or_merged: dict, path: Path) -> None:
             for _, row in rows:
                 f, b = _present(row, mode), _present(row, "codegen")
                 widths.append(float("nan") if f is None else value(f, b))
-            ax.barh([i + (j - 1.5) * h for i in y], widths, h, color=colours[mode], label=names[mode])
+            ax.barh([i + (j - 2) * h for i in y], widths, h, color=colours[mode], label=names[mode])
         if log:
             ax.set_xscale("symlog" if "all-reduces" in title else "log", **({"linthresh": 1} if "all-reduces" in title else {}))
         if "/ codegen" in title:
@@ -404,8 +432,10 @@ def results_table(text: str) -> str:
     start = next(i for i, line in enumerate(lines) if line.startswith("| model |"))
     end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
     listed = next(i for i in range(end, len(lines)) if lines[i].startswith(NOT_FASTEST))
-    last = next((i for i in range(listed + 2, len(lines)) if not lines[i].startswith("- ")), len(lines))
-    return "\n".join(lines[start:end] + [""] + lines[listed:last]) + "\n"
+    # through the compiled setup's list and compile costs, where the records have them
+    last = next((i for i in range(listed + 2, len(lines)) if lines[i].startswith(("Notes (", "`python -m", "Runs:"))),
+                len(lines))
+    return "\n".join(lines[start:end] + [""] + lines[listed:last]).rstrip("\n") + "\n"
 
 
 #: the README's rows: the published widths, float32, batch 16, on every transformers release recorded
@@ -432,34 +462,38 @@ def summary_table(record_or_merged: dict) -> str:
     cpus = ", ".join(sorted({rec["machine"]["cpu"] for rec, _ in picked}))
     caption = (f"Published widths (2 layers), {SUMMARY_ROWS['dtype']}, batch {SUMMARY_ROWS['batch']}, "
                f"TP={first['tp']} on {first['machine']['cores']} {first['device'].upper()} cores ({cpus}): (a) stock "
-               "AutoTP, (b) codegen, (d) transformers' native TP, (e) one process" + (", (v) vLLM's CPU engine" if peers else "")
-               + "; collectives per MoE layer per decode step.")
+               "AutoTP, (b) codegen, (f) codegen compiled, (d) transformers' native TP, (e) one process"
+               + (", (v) vLLM's CPU engine" if peers else "") + "; collectives per MoE layer per decode step.")
     lines = [*textwrap.wrap(caption, 116, break_on_hyphens=False), "",
              "| model | transformers | collectives / MoE layer, a / b / d | expert MiB / rank, a / b / d "
-             "| decode tokens/s, a / b / d / e |" + (" end to end tokens/s, b / v |" if peers else ""),
+             "| decode tokens/s, a / b / f / d / e |" + (" end to end tokens/s, b / f / v |" if peers else ""),
              "|---|---|---|---|---|" + ("---|" if peers else "")]
     abd = ("stock", "codegen", "native")
     for rec, row in picked:
-        e2e = _some(row, lambda f: format(f["e2e"]["tokens_per_s"], ".1f") if "e2e" in f else "–", ("codegen", PEER))
+        e2e = _some(row, lambda f: format(f["e2e"]["tokens_per_s"], ".1f") if "e2e" in f else "–",
+                    ("codegen", "compiled", PEER))
         lines.append(f"| {label(row['family'])} | {rec['machine']['transformers']} | {_some(row, _per_layer, abd)} "
                      f"| {_some(row, lambda f: format(f['param_bytes_per_rank']['experts'] / 2**20, '.0f'), abd)} "
-                     f"| {_some(row, lambda f: format(f['decode_tokens_per_s'], '.1f'), (*abd, 'single'))} |"
+                     f"| {_some(row, lambda f: format(f['decode_tokens_per_s'], '.1f'), ('stock', 'codegen', 'compiled', 'native', 'single'))} |"
                      + (f" {e2e} |" if peers else ""))
     return "\n".join(lines + ["", *textwrap.wrap(_limit_summary(picked), 116, break_on_hyphens=False)]) + "\n"
 
 
 def _limit_summary(picked: list[tuple[dict, dict]]) -> str:
-    """The summary's line on how close codegen's decode step runs to the machine's limit in its rows."""
-    shares = [(row, row["codegen"]["floor"]["of_limit"]["decode"]) for _, row in picked
-              if _present(row, "codegen") and (row["codegen"].get("floor") or {}).get("of_limit", {}).get("decode")]
+    """The summary's line on how close codegen's decode step runs to the machine's limit in its rows (compiled where
+    the records have it)."""
+    mode = "compiled" if any(_present(row, "compiled") for _, row in picked) else "codegen"
+    shares = [(row, row[mode]["floor"]["of_limit"]["decode"]) for _, row in picked
+              if _present(row, mode) and (row[mode].get("floor") or {}).get("of_limit", {}).get("decode")]
     if not shares:
         return (f"% of the machine's limit (floor / measured time; the floor from the bytes and FLOPs a rank's forward "
                 f"needs at the bandwidth and GEMM throughput measured in the same run): {NO_LIMIT} in these rows, "
                 "recorded before the bench measured it (docs/results.md has the column).")
     low, high = min(s for _, s in shares), max(s for _, s in shares)
-    bound = sorted({row["codegen"]["floor"]["decode"]["bound"] for row, _ in shares})
+    bound = sorted({row[mode]["floor"]["decode"]["bound"] for row, _ in shares})
     span = _pct(low) if _pct(low) == _pct(high) else f"{_pct(low)}–{_pct(high)}"
-    return (f"codegen's decode step runs at {span} of the machine's limit in these rows (floor / "
+    who = "codegen's compiled" if mode == "compiled" else "codegen's"
+    return (f"{who} decode step runs at {span} of the machine's limit in these rows (floor / "
             f"measured; the floor, {'- or '.join(bound)}-bound, from the bytes and FLOPs a rank's forward needs at the "
             "bandwidth and GEMM throughput measured in the same run).")
 

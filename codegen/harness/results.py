@@ -210,6 +210,14 @@ def _setup_figures(rs: list[dict], batch: int, prompt_len: int, limits: list[dic
     figures["token_agreement"] = rs[0]["tokens_agree"] / total if total else None
     if m.get("note"):
         figures["note"] = m["note"]
+    if m.get("compile"):  # (f): what compiling cost, cold and from inductor's on-disk cache, the slowest rank
+        warm = [r["compile"]["warm_s"] for r in rs]
+        figures["compile"] = {"cold_s": max(r["compile"]["cold_s"] for r in rs),
+                              "warm_s": None if None in warm else max(warm), "graphs": m["compile"]["graphs"],
+                              "recaptured_while_timed": (m["graphs_after_run"] - m["compile"]["graphs_after_compile"]
+                                                         if m.get("graphs_after_run") is not None else None),
+                              "graph_collectives": m["compile"]["graph_collectives"],
+                              "fallback": m["compile"]["fallback"]}
     floor = _floor(rs, limits, figures)
     if floor is not None:
         figures["floor"] = floor
@@ -280,7 +288,7 @@ def summarise_ab(per_rank: list[dict], shape: dict) -> dict:
             "single_process_error": reference.get("baseline"),
         },
     }
-    for mode in ("stock", "codegen", "native", "single"):
+    for mode in ("stock", "codegen", "compiled", "native", "single"):
         if mode not in first:
             continue
         rs = [r[mode] for r in per_rank]
@@ -288,6 +296,8 @@ def summarise_ab(per_rank: list[dict], shape: dict) -> dict:
             rs, batch, prompt_len, [r.get("limits") for r in per_rank])
     if "stock" in entry and "codegen" in entry:
         entry["ratio_b_over_a"] = ratios(entry["codegen"], entry["stock"])
+    if "compiled" in entry and "codegen" in entry:
+        entry["ratio_f_over_b"] = ratios(entry["compiled"], entry["codegen"])
     if "native" in entry and "codegen" in entry:
         entry["ratio_b_over_d"] = ratios(entry["codegen"], entry["native"])
     return entry

@@ -83,7 +83,7 @@ def run(spec: dict, progress=None) -> dict | None:
 def serve(model_dir: Path, tp: int, host: str, port: int, dtype: str, max_batch: int, device: str = "cpu",
           progress=None, **options) -> None:
     """`options`: max_model_len, max_num_tokens, max_waiting, api_key, request_timeout, limit_concurrency (None:
-    the default)."""
+    the default), compile (the ranks' forward compiled)."""
     check_servable(model_dir, tp)
     options = {k: v for k, v in options.items() if v is not None}
     wanted = options.get("max_model_len")
@@ -137,11 +137,12 @@ def _stop_on_signals():
 
 
 def generate(model_dir: Path, tp: int, prompt: str, max_tokens: int, sampling: dict, dtype: str,
-             device: str = "cpu") -> dict:
+             device: str = "cpu", compile: bool = False) -> dict:
     check_servable(model_dir, tp)
     started = time.monotonic()
     answer = run({"mode": "generate", "model": str(model_dir), "tp": tp, "dtype": dtype, "max_batch": 1,
-                  "device": device, "request": {"prompt": prompt, "max_tokens": max_tokens, "sampling": sampling}})
+                  "device": device, "compile": compile,
+                  "request": {"prompt": prompt, "max_tokens": max_tokens, "sampling": sampling}})
     if answer is None:
         raise ServeFailed("generate: rank 0 wrote no answer")
     answer["wall_s"] = time.monotonic() - started

@@ -72,7 +72,8 @@ def main(spec_path: Path) -> int:
     rank = int(os.environ.get("RANK", "0"))
     dtype = getattr(torch, spec["dtype"])
     model = load(spec["model"], True, dtype)
-    engine = load_policy(spec["model"], "codegen_serve_policy").init_inference(model, tp_size=spec["tp"], dtype=dtype)
+    engine = load_policy(spec["model"], "codegen_serve_policy").init_inference(
+        model, tp_size=spec["tp"], dtype=dtype, compile=bool(spec.get("compile")))
     model = engine.module
     model.eval()
     steps = Engine(model)

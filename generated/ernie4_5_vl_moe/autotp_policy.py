@@ -42,7 +42,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'ernie4_5_vl_moe', 'moe_classes': ['Ernie4_5_VLMoeMoeBlock', 'Ernie4_5_VL_MoeMoeBlock'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': ''}, 'shared': ['shared_experts'], 'routers': ['text_moe.gate', 'vision_moe.gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': ['vision_tower', 'resampler_model'], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size'], 'linear_attention': None, 'expert_sets': ['text_moe.experts', 'vision_moe.experts']}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_ernie4_5_vl_moe'
-RUNTIME_SHA256 = 'fd40130ed1ae47024216d40a86107c2373c181b9942d846bd2fba91ad4659bf1'
+RUNTIME_SHA256 = '2fd289b1fbb7799e34fe3fccf9e0cf8f809f5725bda23aafd8df5562c3369330'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -1484,6 +1484,209 @@ def keep_in_lockstep(model, dist, group, device):
     return generate
 
 
+# ---- codegen/policy/runtime/compiled.py ----
+"""Compiled ranks: the sharded model's forward runs as inductor graphs, its one reduction per MoE layer inside them.
+
+torch.compile captures the rank's forward whole (routing, the experts of the rank's shard, norms, rotary, cache
+updates: thousands of small eager ops fused), but two ops the eager model issues cannot go to inductor as they are
+(torch 2.13, measured). Each is replaced in every captured graph by a functional op registered here once per process
+(opaque to the compiler, with a fake kernel for tracing), whose kernel is the one the eager model runs:
+
+- DeepSpeed's in-place shared-memory all-reduce (`deepspeed::inference_all_reduce_`, issued by the MoE blocks'
+  reducer and DeepSpeed's own row-parallel layers): inductor schedules it so that the ranks' results diverge, then
+  they hang. It becomes `codegen::tp_all_reduce`, out of place, on DeepSpeed's kernel;
+- transformers 5.x's grouped matmul of fused experts outside bfloat16 (`transformers::grouped_mm_fallback`, one
+  matmul per expert from Python, because `torch._grouped_mm` has no float32 fake kernel): it becomes
+  `codegen::grouped_mm`, torch's `_grouped_mm` kernel, which the eager model runs outside compile.
+
+Each captured graph's collectives are counted as it is captured (`CompiledForward.graphs`), so a compiled rank's
+reductions per forward are checked in the graph itself.
+"""
+
+import functools
+import sys
+import types
+
+import torch
+
+
+#: the functional all-reduce every reduction of a compiled rank becomes
+TP_ALL_REDUCE = "codegen::tp_all_reduce"
+#: the grouped matmul transformers' float32 fallback becomes
+GROUPED_MM = "codegen::grouped_mm"
+#: ops captured graphs may hold, by their name in the graph: (the op replaced, the op it becomes, how its args map)
+_DEEPSPEED_IN_PLACE = "deepspeed.inference_all_reduce_"
+_TRANSFORMERS_FALLBACK = "transformers.grouped_mm_fallback"
+#: every all-reduce a captured graph may hold (ours, or torch's functional ones where the policy routes reductions
+#: through torch.distributed), and the other collectives
+GRAPH_ALL_REDUCES = ("codegen.tp_all_reduce", "all_reduce", "allreduce")
+GRAPH_OTHER_COLLECTIVES = ("all_gather", "allgather", "reduce_scatter", "all_to_all", "broadcast")
+
+
+def _op_name(target):
+    """`namespace.op[.overload]` of a torch op, the qualified name of a Python function."""
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(target)
+    return f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', target)}"
+
+
+def register_ops():
+    """`codegen::tp_all_reduce` and `codegen::grouped_mm`, once per process (every policy file loaded in it shares
+    them: the kernels hold no state of their own)."""
+    if hasattr(torch.ops.codegen, "tp_all_reduce"):
+        return
+
+    @torch.library.custom_op(TP_ALL_REDUCE, mutates_args=())
+    def tp_all_reduce(tensor: torch.Tensor, after: torch.Tensor | None) -> torch.Tensor:
+        """The sum over the tensor-parallel group, out of place: DeepSpeed's shared-memory kernel. `after`: the
+        reduction this one must follow (`swap_ops`), not read."""
+        return torch.ops.deepspeed.inference_all_reduce(tensor.contiguous())
+
+    @tp_all_reduce.register_fake
+    def _(tensor, after):
+        return torch.empty_like(tensor, memory_format=torch.contiguous_format)
+
+    # never dead code: a rank whose result does not need a reduction (its LM-head shard is empty under DeepSpeed's
+    # grain split at small widths) still owes the other ranks its side of it, or they wait forever
+    torch.fx.node.has_side_effect(torch.ops.codegen.tp_all_reduce.default)
+
+    @torch.library.custom_op(GROUPED_MM, mutates_args=())
+    def grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """(S, in) rows sorted by expert @ (E, in, out) per expert, `offs` the groups' ends: torch's kernel."""
+        return torch._grouped_mm(input, weight, offs=offs.to(torch.int32))
+
+    @grouped_mm.register_fake
+    def _(input, weight, offs):
+        return input.new_empty(input.shape[0], weight.shape[-1])
+
+
+def swap_ops(graph):
+    """Replace, in one captured FX graph, DeepSpeed's in-place all-reduce and transformers' grouped-matmul fallback
+    by this part's ops; returns how many of each it replaced.
+
+    Each reduction takes the one before it as an argument it does not read: the ranks must issue them in the same
+    order, and without a data dependence inductor may reorder them (a rank whose LM-head shard is empty under
+    DeepSpeed's grain split at small widths has a last reduction that depends on nothing, and ran it first)."""
+    swapped = {"all_reduce": 0, "grouped_mm": 0}
+    previous = None
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        name = _op_name(node.target)
+        if name.startswith(_DEEPSPEED_IN_PLACE):
+            tensor = node.args[0]
+            with graph.inserting_after(node):
+                reduced = graph.call_function(torch.ops.codegen.tp_all_reduce.default, (tensor, previous))
+            previous = reduced
+            with graph.inserting_after(reduced):
+                written = graph.call_method("copy_", (tensor, reduced))  # the eager op's in-place result
+            node.replace_all_uses_with(written)
+            graph.erase_node(node)
+            swapped["all_reduce"] += 1
+        elif name.startswith(_TRANSFORMERS_FALLBACK):
+            node.target = torch.ops.codegen.grouped_mm.default
+            swapped["grouped_mm"] += 1
+    return swapped
+
+
+def graph_collectives(graph):
+    """(all-reduces, other collectives) a captured graph issues per run."""
+    names = [_op_name(n.target) for n in graph.nodes if n.op == "call_function"]
+    reduces = sum(1 for n in names if any(k in n for k in GRAPH_ALL_REDUCES))
+    others = sum(1 for n in names if any(k in n for k in GRAPH_OTHER_COLLECTIVES))
+    return reduces, others
+
+
+class CapturedGraphs:
+    """The torch.compile backend of a compiled rank: each captured graph has its ops swapped (`swap_ops`) and its
+    collectives counted, then goes to inductor. `graphs` holds one record per graph captured (a recompilation adds
+    one)."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, graph_module, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        swapped = swap_ops(graph_module.graph)
+        graph_module.graph.lint()
+        graph_module.recompile()
+        reduces, others = graph_collectives(graph_module.graph)
+        self.graphs.append({"all_reduces": reduces, "other_collectives": others, **{f"swapped_{k}": v
+                                                                                    for k, v in swapped.items()}})
+        return compile_fx(graph_module, example_inputs)
+
+
+def importable(namespace):
+    """torch.compile resolves a traced function's globals by importing its module by name; a policy file loaded
+    with `spec_from_file_location` (as the README does) is in no `sys.modules`. Register it (the same objects) under
+    its name; another module already under that name is a PolicyError, not a silently wrong graph."""
+    name = namespace["__name__"]
+    present = sys.modules.get(name)
+    if present is None:
+        module = types.ModuleType(name)
+        module.__dict__.update(namespace)
+        sys.modules[name] = module
+    elif getattr(present, "init_inference", None) is not namespace.get("init_inference"):
+        raise PolicyError(f"compile=True: another module is imported as {name!r}; import this autotp_policy.py under "
+                          "a name of its own")
+
+
+#: the graphs torch.compile may capture per code object before it runs that code eager (torch's default: 8)
+RECOMPILE_LIMIT = 64
+#: where `compile_forward` keeps a model's `CompiledForward`
+COMPILED_ATTR = "_codegen_compiled"
+
+
+class CompiledForward:
+    """A model's forward, compiled for this rank: `torch.compile` with dynamic shapes, so one graph serves every
+    batch size, prompt length and cache length past the first and a rank does not recompile per request. `graphs`
+    are the records of the graphs captured so far. Where torch.compile cannot capture the forward, it runs eager from
+    then on (`fallback` says why, once, on stderr): every rank fails alike, at capture, before any collective."""
+
+    def __init__(self, model, rank=0):
+        register_ops()
+        importable(globals())
+        # transformers' forward decorators share one code object across models, and a forward is captured once per
+        # shape kind (prefill, decode, generate's own calls: 5-7 graphs); at torch's default of 8 a second model in
+        # the process would silently run eager
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        self.backend = CapturedGraphs()
+        self.eager = model.forward
+        self.compiled = torch.compile(self.eager, backend=self.backend, dynamic=True)
+        self.rank = rank
+        self.fallback = None
+
+    @property
+    def graphs(self):
+        return self.backend.graphs
+
+    def __call__(self, *args, **kwargs):
+        if self.fallback is None:
+            try:
+                return self.compiled(*args, **kwargs)
+            except torch._dynamo.exc.TorchDynamoException as exc:
+                self.fallback = " ".join(str(exc).split())[:300] or type(exc).__name__
+                if self.rank == 0:
+                    print(f"codegen policy: compile=True: torch.compile failed ({self.fallback}); running eager",
+                          file=sys.stderr, flush=True)
+        return self.eager(*args, **kwargs)
+
+
+def compile_forward(model, rank=0):
+    """Make `model.forward` (and so its `generate`) run compiled; returns the `CompiledForward`, also kept on the
+    model as `COMPILED_ATTR`. The forward keeps its signature: `generate` inspects it."""
+    compiled = CompiledForward(model, rank)
+
+    @functools.wraps(compiled.eager)
+    def forward(*args, **kwargs):
+        return compiled(*args, **kwargs)
+
+    model.forward = forward
+    setattr(model, COMPILED_ATTR, compiled)
+    return compiled
+
+
 # ---- codegen/policy/runtime/entry.py ----
 """`init_inference`: shard a codegen-patched MoE model with DeepSpeed AutoTP and reduce once per MoE layer.
 
@@ -1499,15 +1702,22 @@ import torch
 
 
 
-def init_inference(model, tp_size, dtype=None, **deepspeed_kwargs):
+def init_inference(model, tp_size, dtype=None, compile=False, **deepspeed_kwargs):
     """Shard `model` over `tp_size` ranks with DeepSpeed AutoTP and reduce once per MoE layer.
 
     Wraps `deepspeed.init_inference` (AutoTP, no kernel injection); extra keyword arguments go to it.
     `dtype=None` keeps the model's dtype (DeepSpeed alone would convert it to float16).
     Ranks form tensor-parallel groups of `tp_size` consecutive ranks (one node's GPUs under the
     `deepspeed` launcher); every reduction stays inside its own group.
+    `compile=True`: the sharded model's forward (and so `generate`) runs compiled by torch.compile, its reductions
+    inside the graph (codegen.policy.runtime.compiled); the first forward of each new shape kind compiles.
     """
-    return shard_model(model, tp_size, dtype, deepspeed_kwargs, header_value("LAYOUT", {}), header_value("KNOB", ""))
+    engine = shard_model(model, tp_size, dtype, deepspeed_kwargs, header_value("LAYOUT", {}), header_value("KNOB", ""))
+    if compile:
+        import deepspeed.comm as dist
+
+        compile_forward(engine.module, dist.get_rank())
+    return engine
 
 
 def header_value(name, default):

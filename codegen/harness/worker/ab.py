@@ -28,7 +28,7 @@ from codegen.harness.worker.counting import per_block_counts
 from codegen.harness.worker.limits import RoutingRecorder, inventory
 from codegen.harness.worker.model_figures import cache_of, moe_blocks, param_bytes
 from codegen.harness.worker.reference import Reference, agree, relative
-from codegen.harness.worker.run import LABELS, Run, dry_run, guarded
+from codegen.harness.worker.run import LABELS, CompiledView, Run, dry_run, guarded
 
 #: the ab phase's setups, in load order: codegen first (its load briefly holds the whole checkpoint, freed
 #: before the others load), then transformers' native TP (loads its shard), then stock AutoTP
@@ -55,6 +55,10 @@ def _load_setups(run: Run, job: dict, opts: dict, ids, wanted: list[str]) -> tup
         t0 = time.perf_counter()
         if mode == "codegen":
             models[mode] = run.build(mode, job, opts)
+        elif mode == "compiled":
+            if "codegen" not in models:
+                continue
+            models[mode] = CompiledView(models["codegen"], run.policies[job["name"]], run.rank)
         else:
             def loads_and_runs(mode=mode):
                 model = run.build(mode, job, opts)
@@ -79,17 +83,19 @@ def measure_ab(run: Run, job: dict, opts: dict, ids, ref: Reference) -> dict:
     name = job["name"]
     run.say(f"{name}: loading {', '.join(LABELS[m] for m in wanted)} on {run.tp} ranks ({run.dtype_name})")
     models, record, crashes = _load_setups(run, job, opts, ids, wanted)
-    order_base = [m for m in ("stock", "codegen", "native", "single") if m in models]
-    block_counts, gather_counts, hooks, routing = {}, {}, [], {}
+    order_base = [m for m in ("stock", "codegen", "compiled", "native", "single") if m in models]
+    # hooks are on a model only while its own counted pass runs: (f) shares (b)'s modules, and torch.compile would
+    # trace any hook present into (f)'s graphs and recompile whenever a count it reads changed
+    blocks, routing = {}, {}
     for mode, model in models.items():
-        routing[mode] = RoutingRecorder(model)
+        if mode == "compiled":  # its routing and per-block counts are (b)'s, see `same_as_eager`
+            model = model.model
+            routing[mode], blocks[mode] = None, []
+        else:
+            routing[mode], blocks[mode] = RoutingRecorder(model), moe_blocks(model)
         record[mode]["inventory"] = inventory(model)
-        blocks = moe_blocks(model)
-        block_counts[mode], handles = per_block_counts(blocks, counter)
-        gather_counts[mode], more = per_block_counts(blocks, counter, "gathers")
-        hooks += handles + more
         figures = param_bytes(model)
-        record[mode].update(bytes=figures, moe_blocks=len(blocks))
+        record[mode].update(bytes=figures, moe_blocks=len(moe_blocks(model)))
         full = ref.bytes["experts"] * torch.empty((), dtype=run.dtype).element_size() // 4  # ref: float32
         if run.tp > 1 and figures["experts"] and figures["experts"] >= full:
             record[mode]["note"] = "experts not sharded (every rank holds all routed experts)"
@@ -107,22 +113,33 @@ def measure_ab(run: Run, job: dict, opts: dict, ids, ref: Reference) -> dict:
         experts its routing hit are kept in routing[mode] (taken by the caller)."""
         dist.barrier()
         counter.reset()
-        blocks_before, gathers_before = list(block_counts[mode]), list(gather_counts[mode])
-        with routing[mode], counter:
-            output = models[mode](*a, **kw)
-        per_block = [x - y for x, y in zip(block_counts[mode], blocks_before)]
-        per_block_gathers = [x - y for x, y in zip(gather_counts[mode], gathers_before)]
+        if mode == "compiled":  # a dispatch mode or the profiler would make it run eager or recompile: its graphs'
+            return models[mode](*a, **kw), graph_counts(models[mode]), ([], [])
+        per_block, handles = per_block_counts(blocks[mode], counter)
+        per_block_gathers, more = per_block_counts(blocks[mode], counter, "gathers")
+        try:
+            with routing[mode], counter:
+                output = models[mode](*a, **kw)
+        finally:
+            for handle in handles + more:
+                handle.remove()
         return output, (counter.calls, counter.gathers), (per_block, per_block_gathers)
 
     run.say(f"{name}: prefill {ids.shape[0]}x{ids.shape[1]} tokens x {warmup} warm-up + {repeats} timed, "
             "setups alternating")
+    if "compiled" in models:  # before (f)'s first forward: what compiling costs, from an empty cache
+        record["compiled"]["compile"] = compile_costs(models["compiled"], ids, ref, run,
+                                                      opts.get("compile_warm", True))
     with torch.no_grad():
         for k in range(warmup):
             for mode in rotation(order_base, k):
                 timed(mode, ids)
         for mode in models:
             output, (calls, gathers), (per_block, per_block_gathers) = counted(mode, ids)
-            hits, inv, tokens = routing[mode].take(), record[mode]["inventory"], ids.numel()
+            if mode == "compiled":
+                per_block, per_block_gathers = same_as_eager(record, "prefill", calls, gathers)
+            hits = routing[mode].take() if routing[mode] else record["codegen"]["work"]["prefill_hits"]
+            inv, tokens = record[mode]["inventory"], ids.numel()
             # the bench's prefill computes every position's logits; generate's (time to first token) the last one's
             record[mode]["work"] = {"routing_seen": hits is not None, "prefill_hits": hits,
                                     "prefill": forward_work(inv, hits, tokens, tokens),
@@ -148,7 +165,9 @@ def measure_ab(run: Run, job: dict, opts: dict, ids, ref: Reference) -> dict:
                     mode, ref.forced[k], past_key_values=cache, use_cache=True)
                 cache = cache_of(output)
                 r = record[mode]
-                hits = routing[mode].take()
+                if mode == "compiled":
+                    per_block, per_block_gathers = same_as_eager(record, "decode", calls, gathers, k)
+                hits = routing[mode].take() if routing[mode] else record["codegen"]["work"]["decode_hits"][k]
                 r["work"]["decode"].append(forward_work(r["inventory"], hits, ids.shape[0], ids.shape[0]))
                 r["work"]["decode_hits"].append(hits)
                 r["work"]["routing_seen"] &= hits is not None
@@ -192,8 +211,8 @@ def measure_ab(run: Run, job: dict, opts: dict, ids, ref: Reference) -> dict:
                     record[mode]["ttft_s"].append(ttft)
             for mode in models:
                 record[mode]["e2e_tokens"] = new_tokens
-    for h in hooks:
-        h.remove()
+    if "compiled" in models:  # graphs captured while timed: none where a rank never recompiles per call
+        record["compiled"]["graphs_after_run"] = len(models["compiled"].compiled.graphs)
     models.clear()
     gc.collect()
     for mode, crash in crashes.items():
@@ -202,6 +221,57 @@ def measure_ab(run: Run, job: dict, opts: dict, ids, ref: Reference) -> dict:
             "dtype": run.dtype_name, "rss_peak_bytes": rss_peak(), "limits": run.limits,
             "reference": {"prefill_s": ref.prefill_s, "decode_s": ref.decode_s[warmup:],
                           "baseline": ref.baseline}}
+
+
+def graph_counts(view: CompiledView) -> tuple[int, int]:
+    """(all-reduces, other collectives) of one compiled forward: those its captured graphs hold, each graph a whole
+    forward (torch.compile captured it without a break); (-1, -1) where graphs differ (a break splits a forward)."""
+    counts = {(g["all_reduces"], g["other_collectives"]) for g in view.compiled.graphs}
+    return counts.pop() if len(counts) == 1 else (-1, -1)
+
+
+def same_as_eager(record: dict, phase: str, calls: int, gathers: int, step: int | None = None) -> tuple[list, list]:
+    """(f)'s per-MoE-block counts: hooks cannot count inside its graph, but where its forward's collectives (those in
+    its graphs, `graph_counts`) are (b)'s forward's (counted at the dispatcher), step by step, its blocks' are (b)'s.
+    Otherwise -1 per block: a count that fails the bench's check of one all-reduce per MoE layer."""
+    eager = record["codegen"]
+    per_block = eager[f"{phase}_allreduce_per_moe_block"]
+    per_block_gathers = eager[f"{phase}_gathers_per_moe_block"]
+    expected = (eager[f"{phase}_allreduce"], eager[f"{phase}_gathers"])
+    if step is not None:
+        per_block, per_block_gathers, expected = per_block[step], per_block_gathers[step], tuple(e[step] for e in expected)
+    if (calls, gathers) != expected:
+        return [-1] * len(per_block), [-1] * len(per_block_gathers)
+    return list(per_block), list(per_block_gathers)
+
+
+def compile_costs(view: CompiledView, ids, ref: Reference, run: Run, warm_too: bool = True) -> dict:
+    """(f)'s compile cost: the first prefill, two decode steps and a short `generate` (every shape kind the bench
+    runs), cold (an empty inductor cache: the launch's own TORCHINDUCTOR_CACHE_DIR) and then warm (torch.compile's
+    in-memory state dropped, `torch._dynamo.reset()`, so the same graphs are captured again and inductor's compiled
+    code comes from its on-disk cache, as in a new process; not in the smoke run). Seconds, per rank."""
+    def capture() -> float:
+        run.dist.barrier()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            view(ids)  # the bench's prefill
+            cache = cache_of(view(ids, use_cache=True))
+            for k in range(2):
+                cache = cache_of(view(ref.forced[k], past_key_values=cache, use_cache=True))
+            del cache
+        generation_times(view, ids, 4, run)  # 3 decode steps: a cache length that changes becomes dynamic here
+        return time.perf_counter() - t0
+
+    torch._dynamo.reset()  # the previous job's graphs: this one's are its own
+    cold = capture()
+    graphs = len(view.compiled.graphs)
+    warm = None
+    if warm_too:
+        torch._dynamo.reset()
+        warm = capture()
+    return {"cold_s": cold, "warm_s": warm, "graphs": graphs, "graphs_after_compile": len(view.compiled.graphs),
+            "graph_collectives": view.compiled.graphs[:graphs],
+            "fallback": view.compiled.fallback}
 
 
 class _FirstToken:

@@ -17,6 +17,7 @@ ALL_REDUCE_OPS = frozenset({
     "c10d::allreduce_", "c10d::allreduce_coalesced_", "_c10d_functional::all_reduce",
     "_c10d_functional::all_reduce_", "_c10d_functional::all_reduce_coalesced",
     "_c10d_functional::all_reduce_coalesced_", "deepspeed::inference_all_reduce_", "deepspeed::inference_all_reduce",
+    "codegen::tp_all_reduce",  # a compiled rank's (codegen.policy.runtime.compiled); its kernel's own op is not seen
 })
 #: the other collectives a forward may issue (counted as `gathers`: transformers' native TP gathers its LM head)
 OTHER_COLLECTIVE_OPS = frozenset({
@@ -93,3 +94,4 @@ class SkippedReductions(TorchDispatchMode):
         if out_of_place is None:
             return func(*args, **(kwargs or {}))
         return args[0].clone() if out_of_place else args[0]
+

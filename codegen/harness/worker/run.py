@@ -3,6 +3,7 @@ is built, and how a crash of a comparison setup is recorded on every rank instea
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 
@@ -13,8 +14,8 @@ from codegen.models import has_remote_code, load, load_policy, runs_as
 from codegen.harness.worker.protocol import PROGRESS
 
 #: how progress lines name each setup of the ab phase
-LABELS = {"stock": "(a) stock AutoTP", "codegen": "(b) codegen", "native": "(d) transformers native TP",
-          "single": "(e) one process, all cores"}
+LABELS = {"stock": "(a) stock AutoTP", "codegen": "(b) codegen", "compiled": "(f) codegen compiled",
+          "native": "(d) transformers native TP", "single": "(e) one process, all cores"}
 
 
 class Run:
@@ -32,6 +33,8 @@ class Run:
         self.rank = dist.get_rank()
         #: this rank's memory bandwidth and GEMM throughput (codegen.harness.worker.limits), measured at the start
         self.limits: dict | None = None
+        #: each job's policy module, as (b) loaded it: (f) compiles (b)'s model with it
+        self.policies: dict = {}
 
     def say(self, message: str) -> None:
         if self.rank == 0:
@@ -50,6 +53,7 @@ class Run:
             model = load(job["model"], True, self.dtype)
             policy = load_policy(job["model"], "codegen_autotp_policy_" + "".join(
                 c if c.isalnum() else "_" for c in job["name"]))
+            self.policies[job["name"]] = policy
             extra = {"tensor_parallel": grain} if grain else {}
             # no dtype on CPU: the policy keeps the loaded model's (the default a user relies on; DeepSpeed's is fp16)
             dtype = {"dtype": self.dtype} if self.device_kind != "cpu" else {}
@@ -64,6 +68,26 @@ class Run:
             return runs_as(deepspeed.init_inference(model, tensor_parallel={"tp_size": self.tp, **grain},
                                                     dtype=self.dtype, replace_with_kernel_inject=False).module)
         return runs_as(load(job["model"], True, self.dtype))  # no-policy
+
+
+class CompiledView:
+    """(f): (b)'s sharded model with its forward compiled by the policy (`CompiledForward`, what
+    `init_inference(..., compile=True)` installs), sharing (b)'s weights: calls run the compiled forward, `generate`
+    runs with it in place of the eager one."""
+
+    def __init__(self, model, policy, rank: int) -> None:
+        self.model = model
+        self.compiled = policy.CompiledForward(model, rank)
+
+    def __call__(self, *args, **kwargs):
+        return self.compiled(*args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        self.model.forward = functools.wraps(self.compiled.eager)(self.compiled)
+        try:
+            return self.model.generate(*args, **kwargs)
+        finally:
+            del self.model.forward  # (b)'s own, eager, again
 
 
 # ------------------------------------------------------------------------------------ a stock crash, recorded

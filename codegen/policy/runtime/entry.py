@@ -16,6 +16,7 @@ from codegen.policy.runtime.attention import (check_replicated, detach_full_widt
                                               slice_full_width_norms, slice_head_linears)
 from codegen.policy.runtime.base import PATCH_MARKER, REDUCER_ATTR, SUPPORTED_DEEPSPEED, PolicyError, attribute, \
     expert_paths
+from codegen.policy.runtime.compiled import compile_forward
 from codegen.policy.runtime.experts import row_layer_policy, shard_experts
 from codegen.policy.runtime.environment import destroy_group_at_exit, launcher_notes, local_ranks, thread_note
 from codegen.policy.runtime.groups import CoalescedAllReduce, TensorParallelGroups, route_inference_reductions
@@ -26,15 +27,22 @@ from codegen.policy.runtime.probe import deepspeed_problems, lookup
 from codegen.policy.runtime.shm import maps_shm_buffers, own_shm_buffer, unlink_once_mapped
 
 
-def init_inference(model, tp_size, dtype=None, **deepspeed_kwargs):
+def init_inference(model, tp_size, dtype=None, compile=False, **deepspeed_kwargs):
     """Shard `model` over `tp_size` ranks with DeepSpeed AutoTP and reduce once per MoE layer.
 
     Wraps `deepspeed.init_inference` (AutoTP, no kernel injection); extra keyword arguments go to it.
     `dtype=None` keeps the model's dtype (DeepSpeed alone would convert it to float16).
     Ranks form tensor-parallel groups of `tp_size` consecutive ranks (one node's GPUs under the
     `deepspeed` launcher); every reduction stays inside its own group.
+    `compile=True`: the sharded model's forward (and so `generate`) runs compiled by torch.compile, its reductions
+    inside the graph (codegen.policy.runtime.compiled); the first forward of each new shape kind compiles.
     """
-    return shard_model(model, tp_size, dtype, deepspeed_kwargs, header_value("LAYOUT", {}), header_value("KNOB", ""))
+    engine = shard_model(model, tp_size, dtype, deepspeed_kwargs, header_value("LAYOUT", {}), header_value("KNOB", ""))
+    if compile:
+        import deepspeed.comm as dist
+
+        compile_forward(engine.module, dist.get_rank())
+    return engine
 
 
 def header_value(name, default):
