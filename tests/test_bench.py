@@ -404,10 +404,15 @@ def test_merge_joins_a_peer_record_to_the_rows_it_ran_beside(tmp_path):
          **peer_figures({"crashed": "RuntimeError: Unsupported CPU attention configuration"}, rows[1]["batch"])}]
     assert peer_rows[0]["decode"]["median"] == pytest.approx(0.1)
     assert peer_rows[0]["e2e"]["tokens_per_s"] == pytest.approx(8.0 * rows[0]["batch"])
-    (tmp_path / "peer-vllm-x.json").write_text(json.dumps({"peer": PEER, "rows": peer_rows}))
+    machine = json.loads(latest.read_text())["machine"]
+    (tmp_path / "peer-vllm-x.json").write_text(json.dumps({"peer": PEER, "rows": peer_rows, "machine": machine}))
     merged = merge([latest, tmp_path / "peer-vllm-x.json"])
     joined = [row for run in merged["runs"] for row in run["rows"] if PEER in row]
     assert len(joined) == 2
+    # measured on another machine: not joined (times of two machines do not compare)
+    (tmp_path / "peer-vllm-y.json").write_text(json.dumps({"peer": PEER, "rows": peer_rows,
+                                                          "machine": {**machine, "cpu": "another CPU"}}))
+    assert not any(PEER in row for run in merge([latest, tmp_path / "peer-vllm-y.json"])["runs"] for row in run["rows"])
     table = markdown(merged)
     assert "b/v decode, e2e" in table and " / crash |" in table
     b = rows[0]["codegen"]["decode"]["median"]

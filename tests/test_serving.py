@@ -312,6 +312,19 @@ def _greedy_text(reference, prompt: str, n: int) -> tuple[str, str]:
     return tokenizer.decode(tokens, skip_special_tokens=True), finish
 
 
+def test_generate_compiled_gives_the_same_greedy_completion(served, reference):
+    """`--compile`: the ranks shard with `init_inference(..., compile=True)`, so `generate` runs the compiled forward
+    (prefill and decode graphs, every reduction inside them) and must choose the single-process model's tokens."""
+    greedy, _ = reference
+    tokens, finish = greedy(PROMPT, 8)
+    done = run_codegen("generate", served, "--tp", "2", "--prompt", PROMPT, "--max-tokens", "8", "--dtype",
+                       "float32", "--json", "--compile")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "torch.compile failed" not in done.stderr  # compiled, not fallen back to eager
+    answer = json.loads(done.stdout)
+    assert answer["tokens"] == tokens and answer["finish_reason"] == finish
+
+
 def test_health_models_and_the_api_key(server, client):
     assert _raw(server, "GET", "/health", key=None)[1]["status"] == "ok"
     assert [m.id for m in client.models.list().data] == ["qwen3_moe"]

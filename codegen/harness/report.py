@@ -386,7 +386,8 @@ def chart(record_or_merged: dict, path: Path) -> None:
 
 def merge(paths: list[Path]) -> dict:
     """Bench records of several environments as one; a peer engine's records (`bench --peer vllm --json`) join the
-    rows of the same family, widths, dtype and batch under the latest transformers (what the peer runs beside)."""
+    rows of the same family, widths, dtype and batch under the latest transformers (what the peer runs beside),
+    measured on the same machine (CPU and its flags): times from two machines do not compare."""
     runs, peers = [], []
     for path in paths:
         try:
@@ -409,12 +410,16 @@ def merge(paths: list[Path]) -> dict:
         newest = versions.newest(str(x["machine"]["transformers"]) for x in runs)
         latest = [r for r in runs if str(r["machine"]["transformers"]) == newest]
         for peer_row in peer["rows"]:
-            for rec in latest:
+            for rec in [r for r in latest if _same_machine(r, peer)]:
                 for row in rec["rows"]:
                     if all(row.get(k) == peer_row.get(k) for k in ("family", "size", "dtype", "batch")):
                         row[PEER] = peer_row
     return {"tool": f"codegen {__version__} bench (merged)", "runs": runs,
             **({"peers": [{k: v for k, v in p.items() if k != "rows"} for p in peers]} if peers else {})}
+
+
+def _same_machine(a: dict, b: dict) -> bool:
+    return all(a["machine"].get(k) == b["machine"].get(k) for k in ("cpu", "cpu_flags", "cores"))
 
 
 #: what regenerates the results sections of the docs
@@ -476,7 +481,28 @@ def summary_table(record_or_merged: dict) -> str:
                      f"| {_some(row, lambda f: format(f['param_bytes_per_rank']['experts'] / 2**20, '.0f'), abd)} "
                      f"| {_some(row, lambda f: format(f['decode_tokens_per_s'], '.1f'), ('stock', 'codegen', 'compiled', 'native', 'single'))} |"
                      + (f" {e2e} |" if peers else ""))
-    return "\n".join(lines + ["", *textwrap.wrap(_limit_summary(picked), 116, break_on_hyphens=False)]) + "\n"
+    compiled = _compile_summary(list(_rows(records)))
+    return "\n".join(lines + ["", *textwrap.wrap(_limit_summary(picked), 116, break_on_hyphens=False)]
+                     + (["", *textwrap.wrap(compiled, 116, break_on_hyphens=False)] if compiled else [])) + "\n"
+
+
+def _compile_summary(rows: list[tuple[dict, dict]]) -> str:
+    """The summary's line on what compiling costs (f), over every recorded row that has it, by widths."""
+    parts = []
+    for size in ("bench", "full"):
+        costs = [row["compiled"]["compile"] for _, row in rows
+                 if row["size"] == size and row["batch"] == 1 and (_present(row, "compiled") or {}).get("compile")]
+        if not costs:
+            continue
+        cold = [c["cold_s"] for c in costs]
+        warm = [c["warm_s"] for c in costs if c.get("warm_s") is not None]
+        parts.append(f"{size_name(size)} widths, {len(costs)} families: cold {min(cold):.0f}–{max(cold):.0f} s"
+                     + (f", warm (inductor's on-disk cache, a new process) {min(warm):.0f}–{max(warm):.0f} s"
+                        if warm else ""))
+    if not parts:
+        return ""
+    return ("(f) codegen compiled (`init_inference(..., compile=True)`) compiles once per process per shape kind; "
+            "measured per rank, prefill + decode + generate: " + "; ".join(parts) + " (docs/results.md).")
 
 
 def _limit_summary(picked: list[tuple[dict, dict]]) -> str:

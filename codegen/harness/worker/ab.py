@@ -125,11 +125,13 @@ def measure_ab(run: Run, job: dict, opts: dict, ids, ref: Reference) -> dict:
                 handle.remove()
         return output, (counter.calls, counter.gathers), (per_block, per_block_gathers)
 
-    run.say(f"{name}: prefill {ids.shape[0]}x{ids.shape[1]} tokens x {warmup} warm-up + {repeats} timed, "
-            "setups alternating")
     if "compiled" in models:  # before (f)'s first forward: what compiling costs, from an empty cache
+        run.say(f"{name}: compiling (f): prefill, decode and generate, cold"
+                + (", then warm from inductor's cache" if opts.get("compile_warm", True) else ""))
         record["compiled"]["compile"] = compile_costs(models["compiled"], ids, ref, run,
                                                       opts.get("compile_warm", True))
+    run.say(f"{name}: prefill {ids.shape[0]}x{ids.shape[1]} tokens x {warmup} warm-up + {repeats} timed, "
+            "setups alternating")
     with torch.no_grad():
         for k in range(warmup):
             for mode in rotation(order_base, k):
