@@ -18,10 +18,10 @@ SETTINGS: dict[str, dict] = {
                   patch_trials=1, setups=("stock", "codegen", "compiled", "native"), timeout=900.0, families_of="bench",
                   single=True, e2e_tokens=4, e2e_repeats=1, compile_warm=False, compile_cache_kept=True),
     "toy": dict(size="bench", prompt_len=128, batches=(1, 16), decode_steps=48, warmup=4, prefill_repeats=8,
-                patch_trials=3, setups=("stock", "codegen", "compiled", "native"), timeout=1800.0, single=True, e2e_tokens=32,
+                patch_trials=3, setups=("stock", "codegen", "compiled", "native"), timeout=3600.0, single=True, e2e_tokens=32,
                 e2e_repeats=2),
     "full": dict(size="full", prompt_len=64, batches=(1, 16), decode_steps=16, warmup=2, prefill_repeats=3,
-                 patch_trials=0, setups=("stock", "codegen", "compiled", "native"), timeout=3000.0, single=True, e2e_tokens=16,
+                 patch_trials=0, setups=("stock", "codegen", "compiled", "native"), timeout=4500.0, single=True, e2e_tokens=16,
                  e2e_repeats=1),
     # the demo: tiny dirs, counts and logits only, (a) vs (b); no machine limits (no times shown)
     "demo": dict(size="tiny", prompt_len=32, batches=(1,), decode_steps=2, warmup=1, prefill_repeats=1,
