@@ -154,13 +154,13 @@ def ab_problems(family: str, e: dict, tolerance: float | None = TOLERANCE) -> li
     for mode in ("stock", "codegen", "compiled", "native"):
         if mode in e and e[mode].get("crashed") is None and not e[mode]["counts_same_on_all_ranks"]:
             found.append(f"{family}: {mode} all-reduce counts differ between ranks")
-    found += _codegen_problems(f"{family}: codegen", e["codegen"], e, tolerance)
+    found += _ab_setup_problems(f"{family}: codegen", e["codegen"], e, tolerance)
     if "compiled" in e:
-        found += _codegen_problems(f"{family}: codegen compiled", e["compiled"], e, tolerance)
+        found += _ab_setup_problems(f"{family}: codegen compiled", e["compiled"], e, tolerance)
     return found
 
 
-def _codegen_problems(who: str, b: dict, e: dict, tolerance: float | None) -> list[str]:
+def _ab_setup_problems(who: str, b: dict, e: dict, tolerance: float | None) -> list[str]:
     found = []
     if not once_per_layer(b["allreduce_prefill_per_moe_layer"]):
         found.append(f"{who} all-reduces per MoE layer in prefill {b['allreduce_prefill_per_moe_layer']}, expected 1")
