@@ -42,7 +42,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'qwen4_exp', 'moe_classes': ['Qwen4ExpTextSparseMoeBlock'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': ''}, 'shared': ['shared_expert'], 'routers': ['gate', 'shared_expert_gate'], 'attention_replicated': ['indexer'], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn', 'linear_attn'], 'replicated': ['visual'], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'linear_num_key_heads', 'linear_num_value_heads', 'moe_intermediate_size', 'shared_expert_intermediate_size'], 'linear_attention': {'attr': 'linear_attn', 'projections': [['in_proj_qkv', ['key_dim', 'key_dim', 'value_dim']], ['in_proj_z', []], ['in_proj_b', []], ['in_proj_a', []]], 'conv': 'conv1d', 'conv_segments': ['key_dim', 'key_dim', 'value_dim'], 'head_params': ['A_log', 'dt_bias'], 'output': 'out_proj', 'local_sizes': ['num_k_heads', 'num_v_heads', 'key_dim', 'value_dim', 'conv_dim']}, 'whole_modules': ['Qwen4ExpTextGatedResidual', 'Qwen4ExpTextPLELayer']}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_qwen4_exp'
-RUNTIME_SHA256 = '2fd289b1fbb7799e34fe3fccf9e0cf8f809f5725bda23aafd8df5562c3369330'
+RUNTIME_SHA256 = 'a71c9d82f9bfa4dbc6f79b08583cadf23e3eb140faa9dcc52d98d911edf4bfd8'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -1514,7 +1514,7 @@ import torch
 TP_ALL_REDUCE = "codegen::tp_all_reduce"
 #: the grouped matmul transformers' float32 fallback becomes
 GROUPED_MM = "codegen::grouped_mm"
-#: ops captured graphs may hold, by their name in the graph: (the op replaced, the op it becomes, how its args map)
+#: the ops `swap_ops` replaces, by their name in a captured graph
 _DEEPSPEED_IN_PLACE = "deepspeed.inference_all_reduce_"
 _TRANSFORMERS_FALLBACK = "transformers.grouped_mm_fallback"
 #: every all-reduce a captured graph may hold (ours, or torch's functional ones where the policy routes reductions
@@ -1634,8 +1634,6 @@ def importable(namespace):
 
 #: the graphs torch.compile may capture per code object before it runs that code eager (torch's default: 8)
 RECOMPILE_LIMIT = 64
-#: where `compile_forward` keeps a model's `CompiledForward`
-COMPILED_ATTR = "_codegen_compiled"
 
 
 class CompiledForward:
@@ -1672,18 +1670,15 @@ class CompiledForward:
                           file=sys.stderr, flush=True)
         return self.eager(*args, **kwargs)
 
+    def as_forward(self):
+        """This, as a model's `forward`: the eager forward's signature kept (`generate` inspects it)."""
+        return functools.wraps(self.eager)(lambda *args, **kwargs: self(*args, **kwargs))
+
 
 def compile_forward(model, rank=0):
-    """Make `model.forward` (and so its `generate`) run compiled; returns the `CompiledForward`, also kept on the
-    model as `COMPILED_ATTR`. The forward keeps its signature: `generate` inspects it."""
+    """Make `model.forward` (and so its `generate`) run compiled; returns the `CompiledForward`."""
     compiled = CompiledForward(model, rank)
-
-    @functools.wraps(compiled.eager)
-    def forward(*args, **kwargs):
-        return compiled(*args, **kwargs)
-
-    model.forward = forward
-    setattr(model, COMPILED_ATTR, compiled)
+    model.forward = compiled.as_forward()
     return compiled
 
 

@@ -3,7 +3,6 @@ is built, and how a crash of a comparison setup is recorded on every rank instea
 
 from __future__ import annotations
 
-import functools
 import gc
 import os
 
@@ -83,7 +82,7 @@ class CompiledView:
         return self.compiled(*args, **kwargs)
 
     def generate(self, *args, **kwargs):
-        self.model.forward = functools.wraps(self.compiled.eager)(self.compiled)
+        self.model.forward = self.compiled.as_forward()
         try:
             return self.model.generate(*args, **kwargs)
         finally:

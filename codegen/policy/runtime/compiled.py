@@ -28,7 +28,7 @@ from codegen.policy.runtime.base import PolicyError
 TP_ALL_REDUCE = "codegen::tp_all_reduce"
 #: the grouped matmul transformers' float32 fallback becomes
 GROUPED_MM = "codegen::grouped_mm"
-#: ops captured graphs may hold, by their name in the graph: (the op replaced, the op it becomes, how its args map)
+#: the ops `swap_ops` replaces, by their name in a captured graph
 _DEEPSPEED_IN_PLACE = "deepspeed.inference_all_reduce_"
 _TRANSFORMERS_FALLBACK = "transformers.grouped_mm_fallback"
 #: every all-reduce a captured graph may hold (ours, or torch's functional ones where the policy routes reductions
@@ -148,8 +148,6 @@ def importable(namespace):
 
 #: the graphs torch.compile may capture per code object before it runs that code eager (torch's default: 8)
 RECOMPILE_LIMIT = 64
-#: where `compile_forward` keeps a model's `CompiledForward`
-COMPILED_ATTR = "_codegen_compiled"
 
 
 class CompiledForward:
@@ -186,16 +184,13 @@ class CompiledForward:
                           file=sys.stderr, flush=True)
         return self.eager(*args, **kwargs)
 
+    def as_forward(self):
+        """This, as a model's `forward`: the eager forward's signature kept (`generate` inspects it)."""
+        return functools.wraps(self.eager)(lambda *args, **kwargs: self(*args, **kwargs))
+
 
 def compile_forward(model, rank=0):
-    """Make `model.forward` (and so its `generate`) run compiled; returns the `CompiledForward`, also kept on the
-    model as `COMPILED_ATTR`. The forward keeps its signature: `generate` inspects it."""
+    """Make `model.forward` (and so its `generate`) run compiled; returns the `CompiledForward`."""
     compiled = CompiledForward(model, rank)
-
-    @functools.wraps(compiled.eager)
-    def forward(*args, **kwargs):
-        return compiled(*args, **kwargs)
-
-    model.forward = forward
-    setattr(model, COMPILED_ATTR, compiled)
+    model.forward = compiled.as_forward()
     return compiled
