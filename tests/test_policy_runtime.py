@@ -1686,3 +1686,41 @@ def test_a_policy_loaded_from_a_file_becomes_importable_for_the_compiler(monkeyp
     rt.importable(namespace)  # again: the same module, nothing to do
     with pytest.raises(rt.PolicyError, match="another module is imported as"):
         rt.importable({"__name__": name, "init_inference": lambda: None})
+
+
+class _Tiny(torch.nn.Module):
+    """A forward torch.compile captures whole, or (`branch`) one it must break at a value read back into Python."""
+
+    def __init__(self, branch: bool = False):
+        super().__init__()
+        self.proj, self.branch = torch.nn.Linear(4, 4), branch
+
+    def forward(self, x):
+        y = self.proj(x)
+        if self.branch and y.sum().item() > 0:  # data-dependent Python control flow: a graph break
+            y = y * 2
+        return y
+
+
+def test_a_compiled_forward_counts_the_graphs_it_runs_as_they_run():
+    torch.manual_seed(0)
+    model, x = _Tiny(), torch.randn(3, 4)
+    compiled = rt.CompiledForward(model)
+    with torch.no_grad():
+        want = model(x)
+        assert torch.allclose(compiled(x), want, atol=1e-6) and compiled(x).shape == want.shape
+    assert compiled.fallback is None and len(compiled.graphs) == 1
+    assert compiled.ran == {"graphs": 2, "all_reduces": 0, "other_collectives": 0}
+    compiled.backend.reset_ran()
+    assert compiled.ran["graphs"] == 0
+
+
+def test_a_forward_torch_compile_would_break_runs_eager_with_one_line(capsys):
+    torch.manual_seed(0)
+    model, x = _Tiny(branch=True), torch.randn(3, 4)
+    compiled = rt.CompiledForward(model)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), model(x)) and torch.equal(compiled(x), model(x))
+    assert compiled.fallback and compiled.graphs == [] and compiled.ran["graphs"] == 0
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "cannot capture the forward as one graph" in lines[0] and "running eager" in lines[0]

@@ -272,17 +272,17 @@ def markdown(record_or_merged: dict) -> str:
                   "two decode steps and a short `generate`: every shape kind the bench runs), warm = the same again "
                   "with torch.compile's in-memory state dropped and inductor's on-disk cache kept (a new process); "
                   "graphs = the graphs captured cold; recaptured = graphs captured after that, while the bench timed "
-                  "(0: no recompilation per call); all-reduces = per graph:", "",
-                  "| model | transformers | dtype | batch | cold s | warm s | graphs | recaptured | all-reduces per graph |",
+                  "(0: no recompilation per call); per forward = the graphs one counted forward ran, the most (1: "
+                  "torch.compile captured the forward whole; more: graph breaks, eager Python between graphs):", "",
+                  "| model | transformers | dtype | batch | cold s | warm s | graphs | recaptured | per forward |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for rec, row in compiled_rows:
             c = row["compiled"].get("compile") or {}
-            per_graph = ", ".join(str(g["all_reduces"]) for g in c.get("graph_collectives", []))
             lines.append(f"| {row['family']} ({label(row['family'])}, {size_name(row['size'])}) "
                          f"| {rec['machine']['transformers']} | {row['dtype']} | {row['batch']} "
                          f"| {c.get('cold_s', 0):.1f} | {_seconds(c.get('warm_s'))} | {c.get('graphs', '–')} "
                          f"| {c.get('recaptured_while_timed', '–')} "
-                         f"| {per_graph or '–'}{' (fell back to eager: ' + c['fallback'] + ')' if c.get('fallback') else ''} |")
+                         f"| {c.get('graphs_per_forward') or '–'}{' (fell back to eager: ' + c['fallback'] + ')' if c.get('fallback') else ''} |")
     if notes:
         lines += ["", "Notes (the rows each holds for):", ""]
         lines += [f"- {text} ({'; '.join(where)})" for text, where in notes.items()]
@@ -490,15 +490,18 @@ def _compile_summary(rows: list[tuple[dict, dict]]) -> str:
     """The summary's line on what compiling costs (f), over every recorded row that has it, by widths."""
     parts = []
     for size in ("bench", "full"):
-        costs = [row["compiled"]["compile"] for _, row in rows
+        every = [row["compiled"]["compile"] for _, row in rows
                  if row["size"] == size and row["batch"] == 1 and (_present(row, "compiled") or {}).get("compile")]
+        costs = [c for c in every if not c.get("fallback")]
         if not costs:
             continue
         cold = [c["cold_s"] for c in costs]
         warm = [c["warm_s"] for c in costs if c.get("warm_s") is not None]
         parts.append(f"{size_name(size)} widths, {len(costs)} families: cold {min(cold):.0f}–{max(cold):.0f} s"
                      + (f", warm (inductor's on-disk cache, a new process) {min(warm):.0f}–{max(warm):.0f} s"
-                        if warm else ""))
+                        if warm else "")
+                     + (f" ({len(every) - len(costs)} more ran eager: torch.compile could not capture their forward "
+                        "as one graph)" if len(every) > len(costs) else ""))
     if not parts:
         return ""
     return ("(f) codegen compiled (`init_inference(..., compile=True)`) compiles once per process per shape kind; "

@@ -217,6 +217,7 @@ def _setup_figures(rs: list[dict], batch: int, prompt_len: int, limits: list[dic
                               "recaptured_while_timed": (m["graphs_after_run"] - m["compile"]["graphs_after_compile"]
                                                          if m.get("graphs_after_run") is not None else None),
                               "graph_collectives": m["compile"]["graph_collectives"],
+                              "graphs_per_forward": max(m.get("graphs_per_forward") or [0]) or None,
                               "fallback": m["compile"]["fallback"]}
     floor = _floor(rs, limits, figures)
     if floor is not None:

@@ -40,7 +40,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'qwen3_next', 'moe_classes': ['Qwen3NextSparseMoeBlock'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': ''}, 'shared': ['shared_expert'], 'routers': ['gate', 'shared_expert_gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn', 'linear_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'linear_num_key_heads', 'linear_num_value_heads', 'moe_intermediate_size', 'shared_expert_intermediate_size', 'intermediate_size'], 'linear_attention': {'attr': 'linear_attn', 'projections': [['in_proj_qkvz', []], ['in_proj_ba', []]], 'conv': 'conv1d', 'conv_segments': ['key_dim', 'key_dim', 'value_dim'], 'head_params': ['A_log', 'dt_bias'], 'output': 'out_proj', 'local_sizes': ['num_k_heads', 'num_v_heads', 'key_dim', 'value_dim', 'conv_dim']}}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_qwen3_next'
-RUNTIME_SHA256 = 'a71c9d82f9bfa4dbc6f79b08583cadf23e3eb140faa9dcc52d98d911edf4bfd8'
+RUNTIME_SHA256 = 'e85bc695cf80a099dcfda72945c721af1d2b9a7e3e73e173832d60c3fbac839c'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -1497,8 +1497,10 @@ updates: thousands of small eager ops fused), but two ops the eager model issues
   matmul per expert from Python, because `torch._grouped_mm` has no float32 fake kernel): it becomes
   `codegen::grouped_mm`, torch's `_grouped_mm` kernel, which the eager model runs outside compile.
 
-Each captured graph's collectives are counted as it is captured (`CompiledForward.graphs`), so a compiled rank's
-reductions per forward are checked in the graph itself.
+Each captured graph's collectives are counted as it is captured (`CompiledForward.graphs`) and added up as it runs
+(`CompiledForward.ran`), so a compiled rank's reductions per forward are checked in the graphs themselves: those
+outside every graph (eager code between two graphs, where torch.compile breaks a forward) are not counted, and a
+forward whose count is the eager model's ran all of its reductions inside graphs.
 """
 
 import functools
@@ -1598,10 +1600,15 @@ def graph_collectives(graph):
 class CapturedGraphs:
     """The torch.compile backend of a compiled rank: each captured graph has its ops swapped (`swap_ops`) and its
     collectives counted, then goes to inductor. `graphs` holds one record per graph captured (a recompilation adds
-    one)."""
+    one); `ran` adds up, as the graphs run, how many ran and the collectives they issued (`reset_ran` zeroes it), so
+    a forward that torch.compile split into several graphs (a graph break) is counted whole."""
 
     def __init__(self):
         self.graphs = []
+        self.ran = {"graphs": 0, "all_reduces": 0, "other_collectives": 0}
+
+    def reset_ran(self):
+        self.ran.update(graphs=0, all_reduces=0, other_collectives=0)
 
     def __call__(self, graph_module, example_inputs):
         from torch._inductor.compile_fx import compile_fx
@@ -1612,7 +1619,15 @@ class CapturedGraphs:
         reduces, others = graph_collectives(graph_module.graph)
         self.graphs.append({"all_reduces": reduces, "other_collectives": others, **{f"swapped_{k}": v
                                                                                     for k, v in swapped.items()}})
-        return compile_fx(graph_module, example_inputs)
+        compiled, ran = compile_fx(graph_module, example_inputs), self.ran
+
+        def run(*args):
+            ran["graphs"] += 1
+            ran["all_reduces"] += reduces
+            ran["other_collectives"] += others
+            return compiled(*args)
+
+        return run
 
 
 def importable(namespace):
@@ -1637,8 +1652,9 @@ RECOMPILE_LIMIT = 64
 class CompiledForward:
     """A model's forward, compiled for this rank: `torch.compile` with dynamic shapes, so one graph serves every
     batch size, prompt length and cache length past the first and a rank does not recompile per request. `graphs`
-    are the records of the graphs captured so far. Where torch.compile cannot capture the forward, it runs eager from
-    then on (`fallback` says why, once, on stderr): every rank fails alike, at capture, before any collective."""
+    are the records of the graphs captured so far. Where torch.compile cannot capture the forward as one graph, it
+    runs eager from then on (`fallback` says why, once, on stderr): every rank fails alike, at capture, before any
+    collective."""
 
     def __init__(self, model, rank=0):
         register_ops()
@@ -1649,13 +1665,19 @@ class CompiledForward:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self.backend = CapturedGraphs()
         self.eager = model.forward
-        self.compiled = torch.compile(self.eager, backend=self.backend, dynamic=True)
+        # one graph per forward or none: a forward torch.compile would break into pieces (transformers 4.x's loop over
+        # the experts a batch routed to: 15-29 graphs, eager Python between them) ran slower than eager (measured)
+        self.compiled = torch.compile(self.eager, backend=self.backend, dynamic=True, fullgraph=True)
         self.rank = rank
         self.fallback = None
 
     @property
     def graphs(self):
         return self.backend.graphs
+
+    @property
+    def ran(self):
+        return self.backend.ran
 
     def __call__(self, *args, **kwargs):
         if self.fallback is None:
@@ -1664,7 +1686,8 @@ class CompiledForward:
             except torch._dynamo.exc.TorchDynamoException as exc:
                 self.fallback = " ".join(str(exc).split())[:300] or type(exc).__name__
                 if self.rank == 0:
-                    print(f"codegen policy: compile=True: torch.compile failed ({self.fallback}); running eager",
+                    print(f"codegen policy: compile=True: torch.compile cannot capture the forward as one graph "
+                          f"({self.fallback}); running eager",
                           file=sys.stderr, flush=True)
         return self.eager(*args, **kwargs)
 

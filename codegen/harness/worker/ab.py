@@ -16,6 +16,7 @@ run on.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import resource
 import time
@@ -108,17 +109,24 @@ def measure_ab(run: Run, job: dict, opts: dict, ids, ref: Reference) -> dict:
         run.sync()
         return output, time.perf_counter() - t0
 
+    graphs_run = {"compiled": []}  # per counted forward of (f): the graphs it ran
+
     def counted(mode, *a, **kw):
         """One forward under the counter: (output, (all-reduces, other collectives), per MoE block of each); the
         experts its routing hit are kept in routing[mode] (taken by the caller)."""
         dist.barrier()
         counter.reset()
-        if mode == "compiled":  # a dispatch mode or the profiler would make it run eager or recompile: its graphs'
-            return models[mode](*a, **kw), graph_counts(models[mode]), ([], [])
+        compiled = models[mode].compiled if mode == "compiled" else None
+        if compiled and compiled.fallback is None:  # a dispatch mode or the profiler would make it run eager or
+            ran = compiled.ran  # recompile: what its graphs issued as they ran
+            compiled.backend.reset_ran()
+            output = models[mode](*a, **kw)
+            graphs_run[mode].append(ran["graphs"])
+            return output, (ran["all_reduces"], ran["other_collectives"]), ([], [])
         per_block, handles = per_block_counts(blocks[mode], counter)
         per_block_gathers, more = per_block_counts(blocks[mode], counter, "gathers")
         try:
-            with routing[mode], counter:
+            with routing[mode] or contextlib.nullcontext(), counter:  # (f) fallen back to eager: no routing of its own
                 output = models[mode](*a, **kw)
         finally:
             for handle in handles + more:
@@ -215,6 +223,7 @@ def measure_ab(run: Run, job: dict, opts: dict, ids, ref: Reference) -> dict:
                 record[mode]["e2e_tokens"] = new_tokens
     if "compiled" in models:  # graphs captured while timed: none where a rank never recompiles per call
         record["compiled"]["graphs_after_run"] = len(models["compiled"].compiled.graphs)
+        record["compiled"]["graphs_per_forward"] = graphs_run["compiled"]
     models.clear()
     gc.collect()
     for mode, crash in crashes.items():
@@ -225,16 +234,10 @@ def measure_ab(run: Run, job: dict, opts: dict, ids, ref: Reference) -> dict:
                           "baseline": ref.baseline}}
 
 
-def graph_counts(view: CompiledView) -> tuple[int, int]:
-    """(all-reduces, other collectives) of one compiled forward: those its captured graphs hold, each graph a whole
-    forward (torch.compile captured it without a break); (-1, -1) where graphs differ (a break splits a forward)."""
-    counts = {(g["all_reduces"], g["other_collectives"]) for g in view.compiled.graphs}
-    return counts.pop() if len(counts) == 1 else (-1, -1)
-
-
 def same_as_eager(record: dict, phase: str, calls: int, gathers: int, step: int | None = None) -> tuple[list, list]:
-    """(f)'s per-MoE-block counts: hooks cannot count inside its graph, but where its forward's collectives (those in
-    its graphs, `graph_counts`) are (b)'s forward's (counted at the dispatcher), step by step, its blocks' are (b)'s.
+    """(f)'s per-MoE-block counts: hooks cannot count inside its graphs, but where its forward's collectives (those
+    its graphs issued as they ran, `CompiledForward.ran`) are (b)'s forward's (counted at the dispatcher), step by
+    step, its blocks' are (b)'s.
     Otherwise -1 per block: a count that fails the bench's check of one all-reduce per MoE layer."""
     eager = record["codegen"]
     per_block = eager[f"{phase}_allreduce_per_moe_block"]
