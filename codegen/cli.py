@@ -101,6 +101,9 @@ def _add_verify(sub) -> None:
     p.add_argument("--world", type=int, default=None, help="ranks to start (default: --tp)")
     p.add_argument("--json", type=Path, help="also write the report as JSON")
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--compile", action="store_true",
+                   help="also check the patched dir with each rank's forward compiled (torch.compile, the policy's "
+                        "compile=True): the same all-reduces per forward, inside its graphs, and the same numerics")
     _debug_flag(p, top=False)
 
 
@@ -322,7 +325,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for model_dir in args.model_dir:
         check_rank_dir(model_dir, args.tp, "verify")
     check_runtime_installed("verify")
-    records = verify_dirs(args.model_dir, args.tp, args.world, args.timeout)
+    records = verify_dirs(args.model_dir, args.tp, args.world, args.timeout, compile=args.compile)
     for model_dir, record in zip(args.model_dir, records):
         print(format_report(model_dir, record))
     if args.json:

@@ -320,7 +320,12 @@ def test_generate_compiled_gives_the_same_greedy_completion(served, reference):
     done = run_codegen("generate", served, "--tp", "2", "--prompt", PROMPT, "--max-tokens", "8", "--dtype",
                        "float32", "--json", "--compile")
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "torch.compile failed" not in done.stderr  # compiled, not fallen back to eager
+    from packaging.version import Version
+    from transformers import __version__
+
+    # compiled on 5.x; 4.x's loop over the routed experts breaks the graph: eager, said in one line
+    fallback = [line for line in done.stderr.splitlines() if "cannot capture the forward as one graph" in line]
+    assert len(fallback) == (0 if Version(__version__).major >= 5 else 1), done.stderr[-2000:]
     answer = json.loads(done.stdout)
     assert answer["tokens"] == tokens and answer["finish_reason"] == finish
 

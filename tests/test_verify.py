@@ -404,3 +404,32 @@ def test_kimi_k2_remote_code_reduces_once_per_moe_layer_where_stock_reduces_per_
         assert ours["bytes"]["experts"] * TP == ours["full_bytes"]["experts"]
         assert stock["maxdiff"] <= TOL and all(c > 1 for c in stock["allreduce_per_moe_block"])
         assert stock["allreduce_per_forward"] > ours["allreduce_per_forward"]
+
+
+def test_verify_compile_checks_the_compiled_forward_as_well(_tiny_templates, tmp_path_factory, tmp_path):
+    """`verify --compile`: the patched dir also runs with its forward compiled (the policy's compile=True), checked
+    against the same single-process model and the eager codegen phase on each rank: the same all-reduces per
+    forward (on transformers 5.x inside its one graph per forward; 4.x's expert loop breaks the graph, so it runs
+    eager, said in the report), logits and decode steps within the tolerance, the same greedy tokens."""
+    from packaging.version import Version
+    from transformers import __version__
+
+    directory = _patched(_tiny_templates, tmp_path_factory, "qwen3_moe")
+    out = tmp_path / "verify.json"
+    proc = run_codegen("verify", directory, "--tp", TP, "--compile", "--json", out, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["ok"] is True and record["problems"] == []
+    report = record["families"]["qwen3_moe"]
+    layers = SHAPE["qwen3_moe"][0]
+    assert len(report["compiled"]) == TP
+    for eager, compiled in zip(report["codegen"], report["compiled"]):
+        assert compiled["allreduce_per_forward"] == eager["allreduce_per_forward"] == 2 * layers + 1
+        assert compiled["other_collectives_per_forward"] == 0
+        assert compiled["maxdiff"] <= TOL and compiled["decode_maxdiff"] <= TOL and compiled["same_tokens"] is True
+        if Version(__version__).major >= 5:
+            assert compiled["fallback"] is None and compiled["graphs_per_forward"] == 1 and compiled["graphs"] >= 3
+        else:
+            assert compiled["fallback"] and compiled["graphs"] == 0
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("  compiled (compile=True): ")]
+    assert f"{2 * layers + 1} all-reduces per forward" in line and "identical" in line

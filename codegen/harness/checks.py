@@ -52,7 +52,7 @@ def breakdown(r: dict) -> str:
 
 
 def phase_problems(phases: dict, tolerance: float | None = TOLERANCE) -> list[str]:
-    """Problems of one model dir's no-policy / codegen phases ({phase: [rank figures]})."""
+    """Problems of one model dir's no-policy / codegen / compiled phases ({phase: [rank figures]})."""
     found = []
     codegen = phases.get("codegen", [])
     for r in codegen:
@@ -67,6 +67,9 @@ def phase_problems(phases: dict, tolerance: float | None = TOLERANCE) -> list[st
         if held != full:
             found.append(f"ranks {start}-{start + tp - 1}: sharded layers hold {held:,} bytes over the TP group, "
                          f"expected exactly the unsharded {full:,}")
+    eager = {r["rank"]: r["allreduce_per_forward"] for r in codegen}
+    for r in phases.get("compiled", []):
+        found += [f"rank {r['rank']}: compiled: {p}" for p in _compiled_problems(r, eager.get(r["rank"]), tolerance)]
     for r in phases.get("no-policy", []):
         if r["maxdiff"] != 0.0:
             found.append(f"rank {r['rank']}: without a TP policy the patched model differs from the unpatched one "
@@ -84,6 +87,24 @@ def phase_problems(phases: dict, tolerance: float | None = TOLERANCE) -> list[st
         if r.get("decode_maxdiff", 0.0) != 0.0:
             found.append(f"rank {r['rank']}: without a TP policy decode steps with the cache differ from the "
                          f"unpatched model by {r['decode_maxdiff']:.2e} (must be identical)")
+    return found
+
+
+def _compiled_problems(r: dict, eager: int | None, tolerance: float | None) -> list[str]:
+    """The compiled phase against the codegen phase on the same rank: the same collectives per forward (each one
+    inside its graphs), logits and decode steps within the tolerance, the same greedy tokens."""
+    found = []
+    if not within_tolerance(r["maxdiff"], tolerance):
+        found.append(f"logits differ by {r['maxdiff']:.2e} > {tolerance:g}")
+    if "decode_maxdiff" in r and not within_tolerance(r["decode_maxdiff"], tolerance):
+        found.append(f"logits of {r['decode_checked']} decode steps with the cache differ by "
+                     f"{r['decode_maxdiff']:.2e} > {tolerance:g}")
+    if not r.get("same_tokens", True):
+        found.append("greedy tokens differ from the single-process model")
+    if r["allreduce_per_forward"] != eager or r["other_collectives_per_forward"]:
+        where = "as it ran eager" if r["fallback"] else "in its graphs"
+        found.append(f"{r['allreduce_per_forward']} all-reduces and {r['other_collectives_per_forward']} other "
+                     f"collectives per forward {where}, expected the eager codegen phase's {eager} and none")
     return found
 
 

@@ -23,15 +23,17 @@ from codegen.harness.results import record as result_record
 from codegen.modeldir.layout import CONFIG
 from codegen.modeldir.pristine import materialize_unpatched
 
-PHASES = ["no-policy", "codegen", "stock"]
+PHASES = ["no-policy", "codegen", "compiled", "stock"]
 OPTIONS = {"generate": GENERATE, "grad_check": True}
 
 
 def verify_dirs(model_dirs: list[Path], tp: int, world: int | None = None, timeout: float = 600.0,
-                options: dict | None = None) -> list[dict]:
-    """One result record per patched dir, all measured in one launch of `world` ranks (default: tp)."""
+                options: dict | None = None, compile: bool = False) -> list[dict]:
+    """One result record per patched dir, all measured in one launch of `world` ranks (default: tp); `compile`:
+    the codegen phase again with its forward compiled (the policy's compile=True)."""
     world = world or tp
     options = {**OPTIONS, **(options or {})}
+    phases_run = [p for p in PHASES if compile or p != "compiled"]
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="codegen-verify-") as tmp:
         jobs = []
@@ -40,7 +42,7 @@ def verify_dirs(model_dirs: list[Path], tp: int, world: int | None = None, timeo
             jobs.append({"name": f"{i}", "model": str(model_dir), "reference": str(pristine),
                          # several TP groups: stock AutoTP is measured on one group only (on CPU it would reduce
                          # over all ranks), in a launch of its own below
-                         "phases": PHASES if world == tp else PHASES[:2]})
+                         "phases": phases_run if world == tp else phases_run[:-1]})
         ranks = launch({"tp": tp, "options": options, "jobs": jobs}, world, timeout, what="verify")
         if world != tp:
             stock_jobs = [{**job, "model": job["reference"], "phases": ["stock"]} for job in jobs]
@@ -51,7 +53,7 @@ def verify_dirs(model_dirs: list[Path], tp: int, world: int | None = None, timeo
     records = []
     for model_dir, job in zip(model_dirs, jobs):
         phases = {p: [r["jobs"][job["name"]][p] for r in ranks if p in r["jobs"][job["name"]]]
-                  for p in PHASES}
+                  for p in phases_run}
         family = _family(model_dir)
         records.append(result_record(
             "verify", "verify", device="cpu", tp=tp, world_size=world, dtype="float32", tolerance=TOLERANCE,
@@ -86,6 +88,8 @@ def format_report(model_dir: Path, record: dict) -> str:
     def row(label: str, r: dict) -> str:
         if crashed(r):
             return f"  {label:<9} {'crash':>10} (stock AutoTP failed: {crashed(r)})"
+        if label == "compiled":  # the codegen model's weights: its counts and logits only
+            return f"  {label:<9} {r['maxdiff']:>10.2e} {r['allreduce_per_forward']:>7}"
         b, f = r["bytes"], r["full_bytes"]
         per_block = r["allreduce_per_moe_block"]
         per_moe = f"{sum(per_block) / len(per_block):.1f}" if per_block else "-"
@@ -101,7 +105,7 @@ def format_report(model_dir: Path, record: dict) -> str:
         f"  {'':<9} {'max|dlog|':>10} {'AR/fwd':>7} {'AR/MoE':>7} {'experts':>8} {'sharded':>8} "
         f"{'gate B':>8} {'total B/rank':>13}",
     ]
-    for mode in ("codegen", "stock", "no-policy"):
+    for mode in ("codegen", "compiled", "stock", "no-policy"):
         if report.get(mode):
             lines.append(row(mode, report[mode][0]))
     lines.append(f"  codegen all-reduces per forward: {breakdown(first)} = {first['allreduce_per_forward']} "
@@ -119,6 +123,17 @@ def format_report(model_dir: Path, record: dict) -> str:
                                            f"; stock {stock['allreduce_per_forward']}, {stock['maxdiff']:.2e}")
         lines.append(f"  with an image in the prompt: codegen {image['allreduce_per_forward']} all-reduces per forward "
                      f"(MoE {image['allreduce_per_moe_block']}), max|dlog| {image['maxdiff']:.2e}{beside}")
+    compiled = (report.get("compiled") or [None])[0]
+    if compiled is not None:
+        how = (f"ran eager, torch.compile could not capture its forward as one graph ({compiled['fallback']})"
+               if compiled["fallback"] else f"{compiled['graphs_per_forward']} graph per forward, "
+               f"{compiled['graphs']} captured, first prefill compiled in {compiled['prefill_compile_s']:.1f} s")
+        lines.append(f"  compiled (compile=True): {how}; {compiled['allreduce_per_forward']} all-reduces per forward"
+                     + (f", prefill + {compiled['decode_checked']} decode steps max|dlog| "
+                        f"{max(r['decode_maxdiff'] for r in report['compiled']):.2e}"
+                        if "decode_maxdiff" in compiled else "")
+                     + (f", greedy tokens {'identical' if compiled['same_tokens'] else 'DIFFERENT'}"
+                        if "same_tokens" in compiled else ""))
     grad = first.get("grad_check")
     if grad and grad.get("applicable"):
         lines.append(f"  backward through the MoE reduction: "

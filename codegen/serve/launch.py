@@ -42,6 +42,31 @@ def check_servable(model_dir: Path, tp: int) -> str:
     return family
 
 
+#: how the policy starts each line it says once on stderr (a setting it chose, a compiled forward run eager)
+POLICY_NOTE = "codegen policy: "
+
+
+class PolicyNotes:
+    """Rank 0's policy lines, passed on to this command's stderr as they appear (the ranks' own output stays in
+    their logs): what the policy decided is the user's to see."""
+
+    def __init__(self, log: Path) -> None:
+        self.log, self.offset, self.partial = log, 0, b""
+
+    def __call__(self) -> None:
+        if not self.log.is_file():
+            return
+        with self.log.open("rb") as f:
+            f.seek(self.offset)
+            new = f.read()
+        self.offset += len(new)
+        *lines, self.partial = (self.partial + new).split(b"\n")
+        for line in lines:
+            text = line.decode(errors="replace").rstrip("\r")
+            if text.startswith(POLICY_NOTE):
+                print(text, file=sys.stderr, flush=True)
+
+
 def run(spec: dict, progress=None) -> dict | None:
     """Start the ranks on `spec`; for `serve`, run until Ctrl-C; for `generate`, return the answer."""
     with tempfile.TemporaryDirectory(prefix="codegen-serve-") as work:
@@ -50,8 +75,10 @@ def run(spec: dict, progress=None) -> dict | None:
         spec_path.write_text(json.dumps(spec))
         ranks = LocalRanks([SERVE_RANK, "--spec", str(spec_path)], spec["tp"], Path(work), spec["device"]).start()
         announced = [False]
+        notes = PolicyNotes(Path(work, "rank0.log"))
 
         def watch() -> None:
+            notes()
             if spec["mode"] == "serve" and not announced[0]:
                 for line in Path(work, "rank0.log").read_text(errors="replace").splitlines():
                     if line.startswith(READY):

@@ -10,6 +10,7 @@ autograd behaviour.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
@@ -20,7 +21,7 @@ from codegen.harness.worker.model_figures import (attention_reductions, cache_of
                                                   gates_intact, layer_dense_mlps, layer_units, moe_blocks,
                                                   output_embeddings, param_bytes, sharding_figures, sublayers)
 from codegen.harness.worker.reference import Reference, greedy
-from codegen.harness.worker.run import Run, dry_run, guarded
+from codegen.harness.worker.run import CompiledView, Run, dry_run, guarded
 from codegen.policy.runtime.base import REDUCE_HELPER, REDUCER_ATTR
 
 
@@ -144,6 +145,41 @@ def measure(phase: str, model, run: Run, opts: dict, ids, ref: Reference) -> dic
     result["phase_timings"] = {"sharding_figures_s": t1 - t0, "generate_s": time.perf_counter() - t1}
     if opts["grad_check"] and phase == "codegen":
         result["grad_check"] = grad_check(blocks, counter, dist)
+    return result
+
+
+def measure_compiled(job: dict, run: Run, opts: dict, ids, ref: Reference, timings: dict) -> dict:
+    """`verify --compile`: the codegen phase's model with its forward compiled as `init_inference(..., compile=True)`
+    compiles it. Its collectives are those its graphs issue as they run (`CompiledForward.ran`: a dispatcher mode
+    would make it run eager), its logits, decode steps with the cache and greedy tokens against the reference.
+    Where torch.compile cannot capture the forward whole, the rank runs eager: `fallback` says why, and the count
+    is of that eager forward."""
+    t = time.perf_counter()
+    view = CompiledView(run.build("codegen", job, opts), run.policies[job["name"]], run.rank)
+    timings[f"{job['name']}/compiled_load_s"] = time.perf_counter() - t
+    counter, dist, compiled = run.counter, run.dist, view.compiled
+    with torch.no_grad():
+        t = time.perf_counter()
+        view(ids)  # the first prefill captures and compiles its graph
+        compile_s = time.perf_counter() - t
+        dist.barrier()
+        compiled.backend.reset_ran()
+        counter.reset()
+        with counter if compiled.fallback else contextlib.nullcontext():
+            out = view(ids)
+    ran = compiled.ran
+    result = {"mode": "compiled", "rank": dist.get_rank(), "world_size": dist.get_world_size(),
+              "tp_group_size": run.tp, "fallback": compiled.fallback, "prefill_compile_s": compile_s,
+              "allreduce_per_forward": counter.calls if compiled.fallback else ran["all_reduces"],
+              "other_collectives_per_forward": counter.gathers if compiled.fallback else ran["other_collectives"],
+              "graphs_per_forward": ran["graphs"],
+              "maxdiff": (out.logits.float().cpu() - ref.logits).abs().max().item()}
+    if opts["decode_check"]:
+        result["decode_checked"], result["decode_maxdiff"] = decode_check(view, ids, ref, opts["decode_check"])
+    if opts["generate"]:
+        with torch.no_grad():
+            result["same_tokens"] = bool(torch.equal(greedy(view, ids[:1], opts["generate"]), ref.tokens))
+    result["graphs"] = len(compiled.graphs)  # prefill, decode and generate's shape kinds
     return result
 
 

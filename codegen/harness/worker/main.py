@@ -8,14 +8,15 @@ unpatched dir, fp32, unsharded, computed once per job; codegen.harness.worker.re
   no-policy  the patched dir with torch.distributed up but no TP policy: must equal the reference
              exactly and reduce nothing (list it before any policy phase)
   codegen    the patched dir under its generated autotp_policy.py
+  compiled   the same with its forward compiled (`verify --compile`; after codegen, whose policy it uses)
   stock      stock `deepspeed.init_inference` (AutoTP) on the reference dir
   ab         the bench's phase (codegen.harness.worker.ab): the job's setups side by side, interleaved
 
-no-policy / codegen / stock measure one forward (codegen.harness.worker.forward). Stock AutoTP may crash on
-a family (it does not know every attention's extra parameters): stock is a comparison, so a stock phase that
-raises while loading or on its first forward is recorded as {"mode": "stock", "crashed": "<ExceptionType>:
-<first line>"} and the launch goes on (codegen.harness.worker.run.guarded). The no-policy and codegen phases
-are never guarded: their errors fail the launch.
+no-policy / codegen / compiled / stock measure one forward (codegen.harness.worker.forward). Stock AutoTP may
+crash on a family (it does not know every attention's extra parameters): stock is a comparison, so a stock phase
+that raises while loading or on its first forward is recorded as {"mode": "stock", "crashed": "<ExceptionType>:
+<first line>"} and the launch goes on (codegen.harness.worker.run.guarded). The no-policy, codegen and compiled
+phases are never guarded: their errors fail the launch.
 
 Rank 0 prints progress lines (codegen.harness.worker.protocol). Writes rank<k>.json: {"rank", "world_size",
 "timings", "jobs": {name: {phase: figures}}}; on failure rank<k>.error (one line) and exit 1.
@@ -40,7 +41,7 @@ _T_TORCH = time.perf_counter()
 from codegen.harness.opcache import preload_shm_op, save_shm_op  # noqa: E402
 from codegen.harness.worker.ab import measure_ab  # noqa: E402
 from codegen.harness.worker.counting import CollectiveCounter  # noqa: E402
-from codegen.harness.worker.forward import built_and_dry_run, measure, measure_built  # noqa: E402
+from codegen.harness.worker.forward import built_and_dry_run, measure, measure_built, measure_compiled  # noqa: E402
 from codegen.harness.worker.limits import measure_limits  # noqa: E402
 from codegen.models import model_sizes  # noqa: E402
 from codegen.harness.worker.protocol import DEFAULTS, PHASES  # noqa: E402
@@ -83,6 +84,8 @@ def run_job(run: Run, job: dict, defaults: dict, timings: dict) -> dict:
                 del model
                 out[phase] = figures if crashed is None else {
                     "mode": phase, "rank": run.rank, "world_size": run.dist.get_world_size(), "crashed": crashed}
+            elif phase == "compiled":  # after codegen, whose policy module it compiles with
+                out[phase] = measure_compiled(job, run, opts, ids, ref, timings)
             else:
                 out[phase] = measure_built(phase, job, run, opts, ids, ref, timings)
         gc.collect()

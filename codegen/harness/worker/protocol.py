@@ -6,7 +6,7 @@ Standard library only: the launcher (which never imports torch) reads it too.
 from __future__ import annotations
 
 #: the phases of a job, in the order a job lists them (codegen.harness.worker.main)
-PHASES = ("no-policy", "codegen", "stock", "ab")
+PHASES = ("no-policy", "codegen", "compiled", "stock", "ab")
 #: rank 0 prints `<PROGRESS><message>` lines; the launcher passes them on while the ranks run
 PROGRESS = "@@codegen-progress "
 #: what a job runs with unless the spec says otherwise (`decode_check`: the teacher-forced decode steps with the cache
