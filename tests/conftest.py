@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -12,8 +13,12 @@ import pytest
 from codegen.families import FAMILIES as _TABLE
 from codegen.families import STOCK_AUTOTP
 from codegen.harness.examples import installed_families
+from codegen.harness.opcache import codegen_cache
 
 ROOT = Path(__file__).resolve().parent.parent
+# compiled ranks (`generate --compile`, `verify --compile`, the in-process compile tests) keep inductor's compiled
+# code where the smoke bench keeps it, in codegen's cache dir: the same tiny graphs compile cold once per machine
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(codegen_cache() / "inductor"))
 FIXTURES = ROOT / "tests" / "fixtures"
 #: every family of the table (codegen.families) the installed transformers ships, in table order (the families
 #: of later releases are covered in the environments that have them; tests/test_families.py checks the split)
@@ -23,11 +28,11 @@ REMOTE_CODE_FIXTURES = {fixture: name for name, family in _TABLE.items() for fix
 #: families stock `deepspeed.init_inference` (AutoTP) crashes on, and the start of the crash line the harness
 #: records (the table's measured facts)
 STOCK_AUTOTP_CRASHES = {name: STOCK_AUTOTP[name].crash for name in FAMILIES if STOCK_AUTOTP[name].crash}
-#: regression tests whose answer depends on the installed transformers: they run in every environment
-#: (the rest of the regression matrix reads pinned wheels only and runs once, in the latest environment)
 #: the tests whose corpora tests/test_reliability_report.py adds up: one pytest-xdist worker (`--dist loadgroup`)
 #: runs them all, so each corpus is computed once per session (test_hardening.cached) and the figure reuses it
 CORPORA = pytest.mark.xdist_group("reliability-corpora")
+#: regression tests whose answer depends on the installed transformers: they run in every environment
+#: (the rest of the regression matrix reads pinned wheels only and runs once, in the latest environment)
 PER_ENVIRONMENT_REGRESSION = ("test_patch_writes_what_generated_expects", "test_this_environment_resolves_a_pinned_release")
 
 
