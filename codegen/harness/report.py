@@ -272,8 +272,8 @@ def markdown(record_or_merged: dict) -> str:
                   "two decode steps and a short `generate`: every shape kind the bench runs), warm = the same again "
                   "with torch.compile's in-memory state dropped and inductor's on-disk cache kept (a new process); "
                   "graphs = the graphs captured cold; recaptured = graphs captured after that, while the bench timed "
-                  "(0: no recompilation per call); per forward = the graphs one counted forward ran, the most (1: "
-                  "torch.compile captured the forward whole; more: graph breaks, eager Python between graphs):", "",
+                  "(0: no recompilation per call); per forward = the graphs one counted forward ran (1: the forward "
+                  "captured whole; `–` with the reason where it could not be and (f) ran eager):", "",
                   "| model | transformers | dtype | batch | cold s | warm s | graphs | recaptured | per forward |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for rec, row in compiled_rows:

@@ -39,7 +39,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'hy_v3', 'moe_classes': ['HYV3MoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': ''}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_hy_v3'
-RUNTIME_SHA256 = 'e85bc695cf80a099dcfda72945c721af1d2b9a7e3e73e173832d60c3fbac839c'
+RUNTIME_SHA256 = '547dc316242ed4847f302815acdc5834434f8e712a61c2ed0cb50a2b8c77ea75'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -1496,10 +1496,10 @@ updates: thousands of small eager ops fused), but two ops the eager model issues
   matmul per expert from Python, because `torch._grouped_mm` has no float32 fake kernel): it becomes
   `codegen::grouped_mm`, torch's `_grouped_mm` kernel, which the eager model runs outside compile.
 
-Each captured graph's collectives are counted as it is captured (`CompiledForward.graphs`) and added up as it runs
-(`CompiledForward.ran`), so a compiled rank's reductions per forward are checked in the graphs themselves: those
-outside every graph (eager code between two graphs, where torch.compile breaks a forward) are not counted, and a
-forward whose count is the eager model's ran all of its reductions inside graphs.
+A forward is captured as one graph or runs eager (`fullgraph=True`). Each captured graph's collectives are counted
+as it is captured (`CompiledForward.graphs`) and added up as it runs (`CompiledForward.ran`), so a compiled rank's
+reductions per forward are checked in the graphs that actually ran: a forward whose count is the eager model's ran
+all of its reductions inside its graph.
 """
 
 import functools
@@ -1599,8 +1599,8 @@ def graph_collectives(graph):
 class CapturedGraphs:
     """The torch.compile backend of a compiled rank: each captured graph has its ops swapped (`swap_ops`) and its
     collectives counted, then goes to inductor. `graphs` holds one record per graph captured (a recompilation adds
-    one); `ran` adds up, as the graphs run, how many ran and the collectives they issued (`reset_ran` zeroes it), so
-    a forward that torch.compile split into several graphs (a graph break) is counted whole."""
+    one); `ran` adds up, as the graphs run, how many ran and the collectives they issued (`reset_ran` zeroes it):
+    what a forward issued, whichever of the graphs its shapes and arguments selected."""
 
     def __init__(self):
         self.graphs = []

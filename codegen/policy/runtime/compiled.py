@@ -12,10 +12,10 @@ updates: thousands of small eager ops fused), but two ops the eager model issues
   matmul per expert from Python, because `torch._grouped_mm` has no float32 fake kernel): it becomes
   `codegen::grouped_mm`, torch's `_grouped_mm` kernel, which the eager model runs outside compile.
 
-Each captured graph's collectives are counted as it is captured (`CompiledForward.graphs`) and added up as it runs
-(`CompiledForward.ran`), so a compiled rank's reductions per forward are checked in the graphs themselves: those
-outside every graph (eager code between two graphs, where torch.compile breaks a forward) are not counted, and a
-forward whose count is the eager model's ran all of its reductions inside graphs.
+A forward is captured as one graph or runs eager (`fullgraph=True`). Each captured graph's collectives are counted
+as it is captured (`CompiledForward.graphs`) and added up as it runs (`CompiledForward.ran`), so a compiled rank's
+reductions per forward are checked in the graphs that actually ran: a forward whose count is the eager model's ran
+all of its reductions inside its graph.
 """
 
 import functools
@@ -116,8 +116,8 @@ def graph_collectives(graph):
 class CapturedGraphs:
     """The torch.compile backend of a compiled rank: each captured graph has its ops swapped (`swap_ops`) and its
     collectives counted, then goes to inductor. `graphs` holds one record per graph captured (a recompilation adds
-    one); `ran` adds up, as the graphs run, how many ran and the collectives they issued (`reset_ran` zeroes it), so
-    a forward that torch.compile split into several graphs (a graph break) is counted whole."""
+    one); `ran` adds up, as the graphs run, how many ran and the collectives they issued (`reset_ran` zeroes it):
+    what a forward issued, whichever of the graphs its shapes and arguments selected."""
 
     def __init__(self):
         self.graphs = []
