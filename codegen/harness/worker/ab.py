@@ -16,7 +16,6 @@ run on.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import resource
 import time
@@ -109,24 +108,21 @@ def measure_ab(run: Run, job: dict, opts: dict, ids, ref: Reference) -> dict:
         run.sync()
         return output, time.perf_counter() - t0
 
-    graphs_run = {"compiled": []}  # per counted forward of (f): the graphs it ran
+    graphs_run = []  # per counted forward of (f): the graphs it ran (0: fallen back to eager)
 
     def counted(mode, *a, **kw):
         """One forward under the counter: (output, (all-reduces, other collectives), per MoE block of each); the
         experts its routing hit are kept in routing[mode] (taken by the caller)."""
         dist.barrier()
         counter.reset()
-        compiled = models[mode].compiled if mode == "compiled" else None
-        if compiled and compiled.fallback is None:  # a dispatch mode or the profiler would make it run eager or
-            ran = compiled.ran  # recompile: what its graphs issued as they ran
-            compiled.backend.reset_ran()
-            output = models[mode](*a, **kw)
-            graphs_run[mode].append(ran["graphs"])
-            return output, (ran["all_reduces"], ran["other_collectives"]), ([], [])
+        if mode == "compiled":  # no hooks or routing of its own: see `same_as_eager`
+            output, counts, graphs = models[mode].counted(counter, *a, **kw)
+            graphs_run.append(graphs)
+            return output, counts, ([], [])
         per_block, handles = per_block_counts(blocks[mode], counter)
         per_block_gathers, more = per_block_counts(blocks[mode], counter, "gathers")
         try:
-            with routing[mode] or contextlib.nullcontext(), counter:  # (f) fallen back to eager: no routing of its own
+            with routing[mode], counter:
                 output = models[mode](*a, **kw)
         finally:
             for handle in handles + more:
@@ -223,7 +219,7 @@ def measure_ab(run: Run, job: dict, opts: dict, ids, ref: Reference) -> dict:
                 record[mode]["e2e_tokens"] = new_tokens
     if "compiled" in models:  # graphs captured while timed: none where a rank never recompiles per call
         record["compiled"]["graphs_after_run"] = len(models["compiled"].compiled.graphs)
-        record["compiled"]["graphs_per_forward"] = graphs_run["compiled"]
+        record["compiled"]["graphs_per_forward"] = [g for g in graphs_run if g]
     models.clear()
     gc.collect()
     for mode, crash in crashes.items():

@@ -10,7 +10,6 @@ autograd behaviour.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
 
@@ -157,22 +156,16 @@ def measure_compiled(job: dict, run: Run, opts: dict, ids, ref: Reference, timin
     t = time.perf_counter()
     view = CompiledView(run.build("codegen", job, opts), run.policies[job["name"]], run.rank)
     timings[f"{job['name']}/compiled_load_s"] = time.perf_counter() - t
-    counter, dist, compiled = run.counter, run.dist, view.compiled
+    dist, compiled = run.dist, view.compiled
     with torch.no_grad():
         t = time.perf_counter()
         view(ids)  # the first prefill captures and compiles its graph
         compile_s = time.perf_counter() - t
         dist.barrier()
-        compiled.backend.reset_ran()
-        counter.reset()
-        with counter if compiled.fallback else contextlib.nullcontext():
-            out = view(ids)
-    ran = compiled.ran
+        out, (reduces, others), graphs = view.counted(run.counter, ids)
     result = {"mode": "compiled", "rank": dist.get_rank(), "world_size": dist.get_world_size(),
               "tp_group_size": run.tp, "fallback": compiled.fallback, "prefill_compile_s": compile_s,
-              "allreduce_per_forward": counter.calls if compiled.fallback else ran["all_reduces"],
-              "other_collectives_per_forward": counter.gathers if compiled.fallback else ran["other_collectives"],
-              "graphs_per_forward": ran["graphs"],
+              "allreduce_per_forward": reduces, "other_collectives_per_forward": others, "graphs_per_forward": graphs,
               "maxdiff": (out.logits.float().cpu() - ref.logits).abs().max().item()}
     if opts["decode_check"]:
         result["decode_checked"], result["decode_maxdiff"] = decode_check(view, ids, ref, opts["decode_check"])

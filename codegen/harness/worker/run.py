@@ -81,6 +81,20 @@ class CompiledView:
     def __call__(self, *args, **kwargs):
         return self.compiled(*args, **kwargs)
 
+    def counted(self, counter, *args, **kwargs):
+        """One forward and its collectives: (output, (all-reduces, other collectives), graphs it ran). Compiled,
+        those its graphs issued as they ran (a dispatcher mode would make it run eager); fallen back to eager, the
+        dispatcher counter's, as for any eager setup."""
+        counter.reset()
+        if self.compiled.fallback is not None:
+            with counter:
+                output = self(*args, **kwargs)
+            return output, (counter.calls, counter.gathers), 0
+        self.compiled.backend.reset_ran()
+        output = self(*args, **kwargs)
+        ran = self.compiled.ran
+        return output, (ran["all_reduces"], ran["other_collectives"]), ran["graphs"]
+
     def generate(self, *args, **kwargs):
         self.model.forward = self.compiled.as_forward()
         try:
