@@ -1659,7 +1659,7 @@ def test_the_compiled_reduction_is_never_dead_code():
     assert is_impure(torch.ops.codegen.tp_all_reduce.default)  # a rank that needs no result still owes its side
 
 
-def test_the_compiled_grouped_matmul_is_torchs_kernel_with_a_fake_for_tracing():
+def test_the_compiled_grouped_matmul_is_torchs_product_per_expert_with_a_fake_for_tracing():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     rt.register_ops()
@@ -1672,6 +1672,7 @@ def test_the_compiled_grouped_matmul_is_torchs_kernel_with_a_fake_for_tracing():
     starts = [0, 3, 3, 7]
     want = torch.cat([rows[s:e] @ weight[i] for i, (s, e) in enumerate(zip(starts, ends.tolist()))])
     assert torch.allclose(got, want, atol=1e-5)
+    assert torch.equal(got, torch._grouped_mm(rows, weight, offs=ends.to(torch.int32)))  # what eager runs
     with FakeTensorMode() as mode:
         fake = torch.ops.codegen.grouped_mm(mode.from_tensor(rows), mode.from_tensor(weight), mode.from_tensor(ends))
     assert tuple(fake.shape) == (10, out)
@@ -1713,6 +1714,19 @@ def test_a_compiled_forward_counts_the_graphs_it_runs_as_they_run():
     assert compiled.ran == {"graphs": 2, "all_reduces": 0, "other_collectives": 0}
     compiled.backend.reset_ran()
     assert compiled.ran["graphs"] == 0
+
+
+def test_each_compiled_model_runs_graphs_of_its_own():
+    """The graphs' guards leave the modules' attributes out (their cost per call), so two models whose forward is one
+    code object must not share graphs: the second, of other widths, captures and runs its own."""
+    torch.manual_seed(0)
+    first, second, x = _Tiny(), _Tiny(), torch.randn(3, 4)
+    second.proj = torch.nn.Linear(4, 6)
+    compiled = [rt.CompiledForward(first), rt.CompiledForward(second)]
+    with torch.no_grad():
+        for model, forward in zip((first, second), compiled):
+            assert torch.allclose(forward(x), model(x), atol=1e-6) and forward(x).shape == model(x).shape
+    assert [len(forward.graphs) for forward in compiled] == [1, 1]
 
 
 def test_a_forward_torch_compile_would_break_runs_eager_with_one_line(capsys):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from codegen.errors import VerifyFailed
 from codegen.families import EXAMPLES
 from codegen.harness import limits as machine_limits
 from codegen.harness.prepare import Progress, ab_spec, prepare_examples
@@ -29,6 +30,9 @@ SETTINGS: dict[str, dict] = {
 }
 #: (e)'s setup, run in a launch of one process after the tensor-parallel launches (`single` in SETTINGS)
 SINGLE = ("single",)
+#: why a row was not run (its `not_run_cause`): the memory plan refused it before anything was built, or its launch
+#: failed (per-family launches: the other families' rows stand)
+NOT_RUN_MEMORY, NOT_RUN_FAILED = "memory", "failed"
 #: two interleaved groups sharing (b), when the three setups do not fit in memory side by side
 PAIRS = (("stock", "codegen", "compiled"), ("codegen", "native"))
 
@@ -66,27 +70,42 @@ def run_ab(kind: str, families: tuple[str, ...], tp: int, device: str, root: Pat
         for batch in settings["batches"]:
             for g, setups in enumerate((groups or {}).get(family, (settings["setups"],))):
                 jobs.append({"name": f"{family}/b{batch}/g{g}", "family": family, "batch": batch, "setups": setups})
-    # full widths: one launch per family, so no rank carries one family's freed-but-kept heap into the next
-    batches = [[f] for f in families] if settings["size"] == "full" else [list(families)]
+    # full widths: one launch per family, so no rank carries one family's freed-but-kept heap into the next, and a
+    # family whose launch fails (the kernel's OOM killer, a crash) costs its own rows only, said in them
+    per_family = settings["size"] == "full"
+    batches = [[f] for f in families] if per_family else [list(families)]
     ranks: list[dict] = []
     measured: list[dict] = []  # every launch's per-rank limits (full widths: one launch per family)
+    failed: dict[str, str] = {}  # family: why its launch failed (per-family launches only)
     for launched in batches:
         progress(f"starting {tp} {device.upper()} ranks ({', '.join(launched)}); every timed step runs each setup "
                  "back to back, in rotating order")
         spec = ab_spec(dirs, [job for job in jobs if job["family"] in launched], tp, device, dtype, settings)
         # the smoke run (CI) keeps compiled graphs in codegen's cache dir: a later run compiles from it, warm
         cache = str(codegen_cache() / "inductor") if settings.get("compile_cache_kept") else None
-        for k, rank in enumerate(launch(spec, tp, settings["timeout"], progress, what="benchmark",
-                                        inductor_cache=cache)):
+        try:
+            launched_ranks = launch(spec, tp, settings["timeout"], progress, what="benchmark", inductor_cache=cache)
+        except VerifyFailed as exc:
+            if not per_family:
+                raise
+            failed[launched[0]] = str(exc)
+            progress(f"{launched[0]}: not run: {exc}")
+            continue
+        for k, rank in enumerate(launched_ranks):
             measured.append(rank.get("limits") or {})
             if k < len(ranks):
                 ranks[k]["jobs"].update(rank["jobs"])
             else:
                 ranks.append(rank)
-    singles, single_limits = (_run_single(dirs, families, device, dtype, settings, progress)
+    ran = tuple(f for f in families if f not in failed)
+    if not ran:
+        raise VerifyFailed(next(iter(failed.values())))
+    singles, single_limits = (_run_single(dirs, ran, device, dtype, settings, progress, per_family)
                               if settings.get("single") else ({}, None))
-    rows = []
-    for family in families:
+    rows = [{"family": f, "label": label(f), "size": settings["size"], "batch": batch, "dtype": dtype,
+             "not_run": reason, "not_run_cause": NOT_RUN_FAILED} for f, reason in failed.items()
+            for batch in settings["batches"]]
+    for family in ran:
         shape = shape_of(dirs[family]["unpatched"], family, settings["size"])
         for batch in settings["batches"]:
             parts = [summarise_ab([r["jobs"][job["name"]]["ab"] for r in ranks], shape)
@@ -110,18 +129,29 @@ def run_ab(kind: str, families: tuple[str, ...], tp: int, device: str, root: Pat
 
 
 def _run_single(dirs: dict, families: tuple[str, ...], device: str, dtype: str, settings: dict,
-                progress: Progress) -> tuple[dict, dict]:
+                progress: Progress, per_family: bool = False) -> tuple[dict, dict | None]:
     """(e): every (family, batch) in one launch of ONE process holding every core the ranks had together (the
-    launcher gives a launch's ranks the cores between them): ({(family, batch): its ab record}, its limits)."""
+    launcher gives a launch's ranks the cores between them): ({(family, batch): its ab record}, its limits).
+    `per_family`: one launch per family, and a family whose launch fails has no (e), said on progress."""
     from codegen.harness.launcher import launch
 
-    jobs = [{"name": f"{family}/b{batch}/e", "family": family, "batch": batch, "setups": SINGLE}
-            for family in families for batch in settings["batches"]]
-    progress(f"starting (e): the unpatched model in one {device.upper()} process on all cores "
-             f"({', '.join(families)}); after the tensor-parallel launch, the same prompts and forced tokens")
-    (rank,) = launch(ab_spec(dirs, jobs, 1, device, dtype, settings), 1, settings["timeout"], progress,
-                     what="benchmark (e)")
-    return {(job["family"], job["batch"]): rank["jobs"][job["name"]]["ab"] for job in jobs}, rank.get("limits") or {}
+    singles, limits = {}, None
+    for launched in ([f] for f in families) if per_family else [list(families)]:
+        jobs = [{"name": f"{family}/b{batch}/e", "family": family, "batch": batch, "setups": SINGLE}
+                for family in launched for batch in settings["batches"]]
+        progress(f"starting (e): the unpatched model in one {device.upper()} process on all cores "
+                 f"({', '.join(launched)}); after the tensor-parallel launch, the same prompts and forced tokens")
+        try:
+            (rank,) = launch(ab_spec(dirs, jobs, 1, device, dtype, settings), 1, settings["timeout"], progress,
+                             what="benchmark (e)")
+        except VerifyFailed as exc:
+            if not per_family:
+                raise
+            progress(f"{launched[0]}: (e) not run: {exc}")
+            continue
+        singles.update({(job["family"], job["batch"]): rank["jobs"][job["name"]]["ab"] for job in jobs})
+        limits = limits or rank.get("limits") or {}
+    return singles, limits
 
 
 def label(family: str) -> str:

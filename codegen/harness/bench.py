@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from codegen.errors import BadInput, VerifyFailed
-from codegen.harness.abrun import PAIRS, SETTINGS, families_of, label, run_ab, size_name
+from codegen.harness.abrun import NOT_RUN_MEMORY, PAIRS, SETTINGS, families_of, label, run_ab, size_name
 from codegen.harness.checks import TOLERANCE, ab_problems
 from codegen.harness.limits import METHOD as LIMITS_METHOD
 from codegen.harness.opcache import shm_op_cached
@@ -109,7 +109,7 @@ def run_bench(kind: str, device: str, tp: int, workdir: Path | None, progress: P
             if row["family"] in memory:
                 row["memory_estimate"] = memory[row["family"]]
         rows += [{"family": f, "label": label(f), "size": settings["size"], "batch": batch, "dtype": dtype,
-                  "not_run": reason, "memory_estimate": memory[f]}
+                  "not_run": reason, "not_run_cause": NOT_RUN_MEMORY, "memory_estimate": memory[f]}
                  for f, reason in skipped.items() for batch in settings["batches"]]
         trials = {}
         if settings["patch_trials"]:

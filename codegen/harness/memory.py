@@ -92,18 +92,39 @@ def parameter_bytes(config_dir: Path, dtype: str) -> dict:
         model = auto_class(config_dir).from_config(config, trust_remote_code=True,
                                                    **{dtype_keyword(): getattr(torch, dtype)})
     kept = _kept_in_float32(model, dtype)
-    experts = rest = elements = 0
+    experts = rest = elements = largest = largest_float32 = 0
     for name, param in model.named_parameters():
         width = DTYPE_BYTES["float32"] if kept is not None and kept.search(name) else param.element_size()
         elements += param.numel()
         if is_expert_param(name):
             experts += param.numel() * width
+            largest = max(largest, param.numel() * width)
+            largest_float32 = max(largest_float32, param.numel() * DTYPE_BYTES["float32"])
         else:
             rest += param.numel() * width
     # fused 3-D experts: what stock AutoTP leaves whole on every rank (its memory plan counts them whole)
     fused = any(name.rsplit(".", 1)[-1] in FUSED for name, _ in model.named_parameters())
+    converted = fused and _converted_on_load(config.model_type)
     return {"experts": experts, "rest": rest, "total": experts + rest,
-            "float32_total": elements * DTYPE_BYTES["float32"], "fused": fused}
+            "float32_total": elements * DTYPE_BYTES["float32"], "fused": fused,
+            "loader_transient": largest if converted else 0,
+            "loader_transient_float32": largest_float32 if converted else 0}
+
+
+def _converted_on_load(model_type: str) -> bool:
+    """Whether transformers converts this model type's checkpoints as it loads them (5.x: per-expert tensors
+    stacked into fused 3-D Parameters).
+
+    A converted load holds the stacked Parameter beside the per-expert tensors it stacks: measured, transformers
+    5.24 loading the full-width Qwen3.5-35B-A3B-like example (6.32 GiB float32) peaked 1.8 GiB of anonymous memory
+    above its Parameters, about its largest fused expert Parameter (2.0 GiB). A checkpoint loaded as stored stays in
+    the file's pages (gpt-oss: 0.1 GiB anonymous), which the kernel can drop.
+    """
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:  # 4.x: no conversion, and no fused experts either
+        return False
+    return bool(get_checkpoint_conversion_mapping(model_type))
 
 
 def available_bytes() -> int:
@@ -125,7 +146,8 @@ def plan(parts: dict, tp: int, setups: list[str], experts_replicated_stock: bool
     not shard every family's experts); `stock` counts them whole where `experts_replicated_stock` (transformers
     >= 5: AutoTP leaves fused 3-D experts replicated). Two transients come on top of the setups: the float32
     reference each rank loads first and frees, and the full checkpoint copy a rank holds while a setup loads
-    (next to the setups loaded before it, in LOAD_ORDER).
+    (next to the setups loaded before it, in LOAD_ORDER), each with the loader's own transient where it converts the
+    checkpoint (`loader_transient`).
     """
     if tp < 1:
         raise ValueError(f"tp must be >= 1, got {tp}")
@@ -133,6 +155,7 @@ def plan(parts: dict, tp: int, setups: list[str], experts_replicated_stock: bool
     if unknown:
         raise ValueError(f"unknown setup(s) {', '.join(unknown)}; known: {', '.join(SETUPS + (SETUP_COMPILED,))}")
     setups = [s for s in setups if s != SETUP_COMPILED]  # (b)'s weights
+    transient = parts.get("loader_transient", 0)  # on top of each whole copy a load holds (`parameter_bytes`)
     sharded = math.ceil(parts["experts"] / tp)
     experts_per_rank = {
         SETUP_CODEGEN: sharded,
@@ -141,12 +164,12 @@ def plan(parts: dict, tp: int, setups: list[str], experts_replicated_stock: bool
     }
     per_setup = {s: experts_per_rank[s] + parts["rest"] for s in setups}
     resident_total = tp * sum(per_setup.values())
-    reference_total = tp * parts["float32_total"]
+    reference_total = tp * (parts["float32_total"] + parts.get("loader_transient_float32", 0))
     # the rank worker loads codegen first (a whole copy, then its shards), then native, then stock: each
     # load holds a whole checkpoint copy next to the setups already resident
     held, steps = 0, []
     for setup in [s for s in LOAD_ORDER if s in per_setup]:
-        steps.append(held + parts["total"] + (per_setup[setup] if setup == SETUP_CODEGEN else 0))
+        steps.append(held + parts["total"] + transient + (per_setup[setup] if setup == SETUP_CODEGEN else 0))
         held += per_setup[setup]
     loading_total = tp * max(steps)
     return {

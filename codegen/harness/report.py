@@ -10,8 +10,11 @@ from pathlib import Path
 
 from codegen import __version__, splice, versions
 from codegen.errors import BadInput, IOFailure
-from codegen.harness.abrun import label, size_name
+from codegen.harness.abrun import NOT_RUN_FAILED, NOT_RUN_MEMORY, label, size_name
 from codegen.harness.results import crashed
+
+#: the main table's cell for a row not run, by its cause (the notes give the reason)
+NOT_RUN_CELL = {NOT_RUN_MEMORY: "does not fit in memory", NOT_RUN_FAILED: "its ranks failed"}
 
 
 def _records(record_or_merged: dict) -> list[dict]:
@@ -234,7 +237,7 @@ def markdown(record_or_merged: dict) -> str:
             notes.setdefault(f"{row['family']} ({size_name(row['size'])} widths, transformers {tf}): not run: "
                              f"{row['not_run']}", []).append(where)
             lines.append(f"| {row['family']} ({label(row['family'])}, {size_name(row['size'])}) | {tf} | {row['dtype']} "
-                         f"| {row['batch']} | not run: does not fit in memory (notes) |" + " |" * (15 + 2 * peers))
+                         f"| {row['batch']} | not run: {NOT_RUN_CELL[row.get('not_run_cause', NOT_RUN_MEMORY)]} (notes) |" + " |" * (15 + 2 * peers))
             continue
         for mode, letter in SETUP_ORDER:
             figures = row.get(mode)
