@@ -691,11 +691,34 @@ def test_inventory_and_routing_of_a_tiny_model_match_its_config():
 
 @pytest.mark.unit
 def test_records_without_limits_render_a_dash():
-    """The recorded runs predate the measurement: the table and the README line show `—`, never a number."""
+    """Records that predate the measurement show `—` in the table, never a number."""
     from codegen.harness.report import NO_LIMIT, markdown, merge, summary_table
 
     merged = merge(RECORDED + PEERS)
     table = markdown(merged)
     assert "% of limit: decode" in table and f"| {NO_LIMIT} / {NO_LIMIT} / " in table
     assert f"machine limits {NO_LIMIT} (not measured in this record)" in table
-    assert "limit (floor / measured time" in summary_table(merged)
+    # the summary's rows are the full-width float32 5.24 record's, which measured the limits: a figure, not a dash
+    assert "of the machine's limit in these rows (floor / measured" in summary_table(merged)
+
+
+@pytest.mark.unit
+def test_rows_not_run_say_why_in_the_table_and_the_notes():
+    """A row the memory plan refused and one whose launch failed (its ranks killed) each say so, the reason in the
+    notes; the other rows of the record stand."""
+    from codegen.harness.abrun import NOT_RUN_FAILED, NOT_RUN_MEMORY
+    from codegen.harness.report import NOT_RUN_CELL, markdown
+
+    record = json.loads((ROOT / "docs" / "bench" / "bench-full-float32-transformers-5.24.0.json").read_text())
+    record["rows"] += [{**row, "family": "gpt_oss", "not_run": "needs about 30 GiB"} for row in record["rows"][:1]]
+    ran = [row for row in record["rows"] if not row.get("not_run")]
+    killed = ran[0]["family"]
+    reason = "benchmark on 2 ranks failed (exit -9): killed"
+    record["rows"] = [{**row, "not_run": reason, "not_run_cause": NOT_RUN_FAILED} if row["family"] == killed else row
+                      for row in record["rows"]]
+    table = markdown(record)
+    assert f"not run: {NOT_RUN_CELL[NOT_RUN_FAILED]} (notes)" in table and f"not run: {reason}" in table
+    refused = [row for row in record["rows"] if row.get("not_run") and row["family"] != killed]
+    assert refused and f"not run: {NOT_RUN_CELL[NOT_RUN_MEMORY]} (notes)" in table  # a record without a cause: memory
+    others = {row["family"] for row in ran} - {killed}
+    assert others and all(f"| {family} (" in table for family in others)

@@ -41,7 +41,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'step3p7', 'moe_classes': ['Step3p7SparseMoeBlock'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': ''}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': ['vision_model', 'multi_modal_projector'], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_sliding_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'share_expert_dim', 'intermediate_size'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_step3p7'
-RUNTIME_SHA256 = '4995c4410092c88e5b15c64bed87be2d8fb6866024d66b16885acd309dc2b5be'
+RUNTIME_SHA256 = 'b34504e1f47bbeaec357a7d0710931fac10060ab9bca1e9e07e0e0362d51d184'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -1673,6 +1673,7 @@ def _own_entries():
 
     if "isolate_recompiles" not in inspect.signature(torch.compile).parameters:
         return {}
+    # a forward is captured once per shape kind (prefill, decode, generate's own calls: 5-7 graphs)
     return {"isolate_recompiles": True, "recompile_limit": RECOMPILE_LIMIT,
             "options": {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}}
 
@@ -1687,16 +1688,17 @@ class CompiledForward:
     def __init__(self, model, rank=0):
         register_ops()
         importable(globals())
-        # a forward is captured once per shape kind (prefill, decode, generate's own calls: 5-7 graphs), and where
-        # torch cannot keep a model's graphs apart (`_own_entries`), transformers' forward decorators share one code
-        # object across models: at torch's default of 8 a second model in the process would silently run eager
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        own = _own_entries()
+        if not own:
+            # a forward is captured once per shape kind (prefill, decode, generate's own calls: 5-7 graphs), and
+            # transformers' forward decorators share one code object across models: at torch's default limit of 8
+            # a second model in the process would silently run eager
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self.backend = CapturedGraphs()
         self.eager = model.forward
         # one graph per forward or none: a forward torch.compile would break into pieces (transformers 4.x's loop over
         # the experts a batch routed to: 15-29 graphs, eager Python between them) ran slower than eager (measured)
-        self.compiled = torch.compile(self.eager, backend=self.backend, dynamic=True, fullgraph=True,
-                                      **_own_entries())
+        self.compiled = torch.compile(self.eager, backend=self.backend, dynamic=True, fullgraph=True, **own)
         self.rank = rank
         self.fallback = None
 

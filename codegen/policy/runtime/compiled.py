@@ -188,6 +188,7 @@ def _own_entries():
 
     if "isolate_recompiles" not in inspect.signature(torch.compile).parameters:
         return {}
+    # a forward is captured once per shape kind (prefill, decode, generate's own calls: 5-7 graphs)
     return {"isolate_recompiles": True, "recompile_limit": RECOMPILE_LIMIT,
             "options": {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}}
 
@@ -202,16 +203,17 @@ class CompiledForward:
     def __init__(self, model, rank=0):
         register_ops()
         importable(globals())
-        # a forward is captured once per shape kind (prefill, decode, generate's own calls: 5-7 graphs), and where
-        # torch cannot keep a model's graphs apart (`_own_entries`), transformers' forward decorators share one code
-        # object across models: at torch's default of 8 a second model in the process would silently run eager
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        own = _own_entries()
+        if not own:
+            # a forward is captured once per shape kind (prefill, decode, generate's own calls: 5-7 graphs), and
+            # transformers' forward decorators share one code object across models: at torch's default limit of 8
+            # a second model in the process would silently run eager
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self.backend = CapturedGraphs()
         self.eager = model.forward
         # one graph per forward or none: a forward torch.compile would break into pieces (transformers 4.x's loop over
         # the experts a batch routed to: 15-29 graphs, eager Python between them) ran slower than eager (measured)
-        self.compiled = torch.compile(self.eager, backend=self.backend, dynamic=True, fullgraph=True,
-                                      **_own_entries())
+        self.compiled = torch.compile(self.eager, backend=self.backend, dynamic=True, fullgraph=True, **own)
         self.rank = rank
         self.fallback = None
 
