@@ -248,6 +248,20 @@ def test_logits_match_the_single_process_reference(smoke, family):
 
 
 @pytest.mark.runtime
+def test_a_launch_without_jobs_measures_the_machine_limits_only():
+    """What `bench --peer` measures before vLLM runs, so that its record joins only a bench run on a machine with
+    the same limits: the bench's own measurement, on as many ranks, at once, and nothing loaded."""
+    from codegen.harness.launcher import launch
+
+    ranks = launch({"tp": 2, "device": "cpu", "dtype": "float32", "limits": True, "jobs": []}, 2, 300.0)
+    assert [r["jobs"] for r in ranks] == [{}, {}]
+    for rank in ranks:
+        limits = rank["limits"]
+        assert limits["read_bytes_per_s"] > 0 and limits["gemm_flops_per_s"] > 0
+        assert limits["concurrent_ranks"] == 2 and limits["dtype"] == "float32"
+
+
+@pytest.mark.runtime
 def test_machine_limits_and_floors_are_recorded(smoke):
     """The run measures the machine's limits on its ranks (memory bandwidth, GEMM throughput) and gives every setup
     that ran a floor per phase beside its measured time, and floor / measured in the table. Presence and sanity
@@ -402,7 +416,7 @@ def test_merge_joins_a_peer_record_to_the_rows_it_ran_beside(tmp_path):
     from codegen.harness.report import PEER, markdown, merge
     from codegen.harness.results import peer_figures
 
-    latest = max(RECORDED, key=lambda p: "5." in p.name)
+    latest = next(p for p in RECORDED if p.name == "bench-toy-float32-transformers-5.24.0.json")  # with its limits
     rows = json.loads(latest.read_text())["rows"]
     # the runner's flat timings (16 new tokens: 0.5 s to the first, 2.0 s to the last), as peer.py records them
     runner = {"e2e_s": [1.9, 2.0, 2.1], "ttft_s": [0.5, 0.5, 0.6], "new_tokens": 16, "load_s": 90.0}
@@ -412,17 +426,31 @@ def test_merge_joins_a_peer_record_to_the_rows_it_ran_beside(tmp_path):
          **peer_figures({"crashed": "RuntimeError: Unsupported CPU attention configuration"}, rows[1]["batch"])}]
     assert peer_rows[0]["decode"]["median"] == pytest.approx(0.1)
     assert peer_rows[0]["e2e"]["tokens_per_s"] == pytest.approx(8.0 * rows[0]["batch"])
-    machine = json.loads(latest.read_text())["machine"]
-    (tmp_path / "peer-vllm-x.json").write_text(json.dumps({"peer": PEER, "rows": peer_rows, "machine": machine}))
-    merged = merge([latest, tmp_path / "peer-vllm-x.json"])
+    bench = json.loads(latest.read_text())
+    machine, limits = bench["machine"], bench["machine_limits"]
+
+    def peer_record(name, **changes):
+        (tmp_path / name).write_text(json.dumps({"peer": PEER, "peer_version": "0.32.0", "rows": peer_rows,
+                                                 "machine": machine, "machine_limits": limits, "dtype": "float32",
+                                                 "settings": bench["settings"], "wall_s": 60.0, **changes}))
+        return merge([latest, tmp_path / name])
+
+    merged = peer_record("peer-vllm-x.json")
     joined = [row for run in merged["runs"] for row in run["rows"] if PEER in row]
-    assert len(joined) == 2
-    # measured on another machine: not joined (times of two machines do not compare)
-    (tmp_path / "peer-vllm-y.json").write_text(json.dumps({"peer": PEER, "rows": peer_rows,
-                                                          "machine": {**machine, "cpu": "another CPU"}}))
-    assert not any(PEER in row for run in merge([latest, tmp_path / "peer-vllm-y.json"])["runs"] for row in run["rows"])
+    assert len(joined) == 2 and merged["peers"][0]["joined"]
+    # measured on another machine, or on the same CPU model at other limits (a slower or busier machine): not
+    # joined (their times do not compare with the bench's), said under the table
+    slower = {**limits, "tp": {**limits["tp"], "read_gb_s": limits["tp"]["read_gb_s"] * 0.6}}
+    for changes in ({"machine": {**machine, "cpu": "another CPU"}}, {"machine_limits": slower},
+                    {"machine_limits": None}):
+        apart = peer_record("peer-vllm-y.json", **changes)
+        assert not any(PEER in row for run in apart["runs"] for row in run["rows"])
+        assert "not joined: " in markdown(apart)
+    assert "memory read " in apart["peers"][0]["not_joined"] or "only one of the two" in apart["peers"][0]["not_joined"]
+    assert "the machine's limits differ: memory read" in markdown(peer_record("peer-vllm-z.json",
+                                                                              machine_limits=slower))
     table = markdown(merged)
-    assert "b/v decode, e2e" in table and " / crash |" in table
+    assert "b/v decode, e2e" in table and " / crash |" in table and "joined to the bench rows above" in table
     b = rows[0]["codegen"]["decode"]["median"]
     assert f"{b / 0.1:.2f}×" in table
 

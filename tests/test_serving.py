@@ -12,7 +12,7 @@
   error body each), the API key, a short request beside a long one, a client that leaves mid-stream, a full queue
   (429), 32 concurrent clients each getting its own greedy answer, /metrics; SIGINT to a background server and
   SIGTERM mid-generation stop every rank within seconds, free the port and leave no buffer. `python -m codegen
-  generate` likewise.
+  generate` likewise. `--compile` (serve, then generate): the compiled ranks give the same greedy answers.
 """
 
 from __future__ import annotations
@@ -312,18 +312,51 @@ def _greedy_text(reference, prompt: str, n: int) -> tuple[str, str]:
     return tokenizer.decode(tokens, skip_special_tokens=True), finish
 
 
-def test_generate_compiled_gives_the_same_greedy_completion(served, reference):
-    """`--compile`: the ranks shard with `init_inference(..., compile=True)`, so `generate` runs the compiled forward
-    (prefill and decode graphs, every reduction inside them) and must choose the single-process model's tokens."""
-    greedy, _ = reference
-    tokens, finish = greedy(PROMPT, 8)
-    done = run_codegen("generate", served, "--tp", "2", "--prompt", PROMPT, "--max-tokens", "8", "--dtype",
-                       "float32", "--json", "--compile")
-    assert done.returncode == 0, done.stderr[-2000:]
+def test_serve_and_generate_compiled_give_the_single_process_greedy_answers(served, reference):
+    """`--compile`: the ranks shard with `init_inference(..., compile=True)`, so every step runs the compiled forward
+    (prefill and decode graphs, every reduction inside them). `serve`, with rows joining and leaving a running batch
+    (prompts of several lengths, then one alone): every answer is the single-process model's greedy one, and SIGTERM
+    still stops every rank and leaves no buffer; then `generate` (its graphs from inductor's cache, warm). Compiled
+    on 5.x; 4.x's loop over the routed experts breaks the graph: eager, said in one line per launch."""
+    import openai
     from packaging.version import Version
     from transformers import __version__
 
-    # compiled on 5.x; 4.x's loop over the routed experts breaks the graph: eager, said in one line
+    before = _buffers()
+    server = _start_server(served, "--compile", "--max-batch", "4")
+    try:
+        # the first request of each shape kind compiles (cold on a fresh machine: about a minute)
+        client = openai.OpenAI(base_url=f"http://{server['host']}:{server['port']}/v1", api_key="-", max_retries=0,
+                               timeout=600)
+        prompts = [PROMPT, "Hi", "A longer prompt, of a few more words than the others", "Then"]
+        lengths = [10, 4, 7, 12]
+        expected = [_greedy_text(reference, p, n) for p, n in zip(prompts, lengths)]
+        results: dict[int, object] = {}
+
+        def ask(i):
+            results[i] = client.completions.create(model="qwen3_moe", prompt=prompts[i], max_tokens=lengths[i])
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        got = [(results[i].choices[0].text, results[i].choices[0].finish_reason) if i in results else None
+               for i in range(len(prompts))]
+        assert got == expected
+        alone = client.completions.create(model="qwen3_moe", prompt=prompts[2], max_tokens=9).choices[0]
+        assert (alone.text, alone.finish_reason) == _greedy_text(reference, prompts[2], 9)
+    finally:
+        took, code = _stop_server(server, signal.SIGTERM)
+    stderr = server["proc"].stderr.read()
+    fallback = [line for line in stderr.splitlines() if "cannot capture the forward as one graph" in line]
+    assert len(fallback) == (0 if Version(__version__).major >= 5 else 1), stderr[-2000:]
+    assert took < 10 and code == 130 and _buffers() <= before, f"SIGTERM: exit {code} after {took:.1f}s"
+
+    tokens, finish = reference[0](PROMPT, 8)
+    done = run_codegen("generate", served, "--tp", "2", "--prompt", PROMPT, "--max-tokens", "8", "--dtype",
+                       "float32", "--json", "--compile")
+    assert done.returncode == 0, done.stderr[-2000:]
     fallback = [line for line in done.stderr.splitlines() if "cannot capture the forward as one graph" in line]
     assert len(fallback) == (0 if Version(__version__).major >= 5 else 1), done.stderr[-2000:]
     answer = json.loads(done.stdout)

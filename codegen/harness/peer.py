@@ -21,7 +21,9 @@ import time
 from pathlib import Path
 
 from codegen.errors import VerifyFailed
+from codegen.harness import limits as machine_limits
 from codegen.harness.abrun import SETTINGS, families_of, label
+from codegen.harness.launcher import launch
 from codegen.harness.opcache import codegen_cache
 from codegen.harness.prepare import Progress, build_examples
 from codegen.harness.results import peer_figures, record as result_record
@@ -121,6 +123,11 @@ def run_peer(kind: str, tp: int, dtype: str, root: Path, progress: Progress) -> 
     families = families_of(kind)
     built = build_examples(families, settings["size"], root, progress,
                            dtype if settings["size"] == "full" else "float32")
+    progress(f"machine limits: memory bandwidth and {dtype} GEMM throughput on {tp} ranks at once (as the bench "
+             "measures them: its record and this one join only where they agree)")
+    measured = [rank.get("limits") or {} for rank in launch({"tp": tp, "device": "cpu", "dtype": dtype,
+                                                              "limits": True, "jobs": []}, tp, 600.0, progress,
+                                                             what="machine limits")]
     env = cpu_env(tp)
     runner = Path(__file__).resolve().parent / "vllm_peer_runner.py"
     rows, version = [], None
@@ -156,7 +163,8 @@ def run_peer(kind: str, tp: int, dtype: str, root: Path, progress: Progress) -> 
     record = result_record("bench", kind, device="cpu", tp=tp, world_size=tp, dtype=dtype, tolerance=None,
                            settings={k: v for k, v in settings.items() if k != "timeout"}, families=None,
                            problems=[], wall_s=time.monotonic() - started, rows=rows)
-    record.update(peer=PEER, peer_version=version or VLLM_VERSION)
+    record.update(peer=PEER, peer_version=version or VLLM_VERSION,
+                  machine_limits={"tp": machine_limits.summary(measured, tp), "method": machine_limits.METHOD})
     return record
 
 

@@ -305,6 +305,10 @@ def markdown(record_or_merged: dict) -> str:
             lines.append(f"| {family} | {rec['machine']['transformers']} | {med:.2f} (n={n}"
                          + (f"; start-up {base:.2f})" if base is not None else ")") + " |")
     lines += ["", "Runs:", ""] + [f"- {_run_line(rec)}" for rec in records]
+    lines += [f"- (v) vLLM {p.get('peer_version')} ({size_name(p['settings']['size'])} widths), {p['dtype']}: "
+              f"{_machine_line(p)}; {_limits_line(p)}; "
+              + ("joined to the bench rows above" if p.get("joined", True) else f"not joined: {p['not_joined']}")
+              for p in record_or_merged.get("peers") or []]
     return "\n".join(lines) + "\n"
 
 
@@ -409,20 +413,50 @@ def merge(paths: list[Path]) -> dict:
     runs.sort(key=lambda r: (sizes.get(r["settings"]["size"], 3),
                              versions.parse(str(r["machine"]["transformers"])) or versions.Version("0"),
                              r["dtype"] != "float32"))
+    joined = []
     for peer in peers:
         newest = versions.newest(str(x["machine"]["transformers"]) for x in runs)
-        latest = [r for r in runs if str(r["machine"]["transformers"]) == newest]
+        kinds = {(row["size"], row["dtype"]) for row in peer["rows"]}
+        latest = [r for r in runs if str(r["machine"]["transformers"]) == newest
+                  and (r["settings"]["size"], r["dtype"]) in kinds]
+        why_not = [why for why in (_not_comparable(r, peer) for r in latest) if why]
+        comparable = [r for r in latest if not _not_comparable(r, peer)]
         for peer_row in peer["rows"]:
-            for rec in [r for r in latest if _same_machine(r, peer)]:
+            for rec in comparable:
                 for row in rec["rows"]:
                     if all(row.get(k) == peer_row.get(k) for k in ("family", "size", "dtype", "batch")):
                         row[PEER] = peer_row
-    return {"tool": f"codegen {__version__} bench (merged)", "runs": runs,
-            **({"peers": [{k: v for k, v in p.items() if k != "rows"} for p in peers]} if peers else {})}
+        joined.append({**{k: v for k, v in peer.items() if k != "rows"},
+                       "joined": bool(comparable), **({} if comparable else {"not_joined": why_not[0] if why_not
+                                                                                else "no bench record of its run"})})
+    return {"tool": f"codegen {__version__} bench (merged)", "runs": runs, **({"peers": joined} if peers else {})}
 
 
 def _same_machine(a: dict, b: dict) -> bool:
     return all(a["machine"].get(k) == b["machine"].get(k) for k in ("cpu", "cpu_flags", "cores"))
+
+
+#: how far apart two records' machine limits (per-rank read bandwidth, GEMM throughput) may be and their times still
+#: compare: machines of one CPU model and flags differ by more (measured: 26.4 and 16.8 GB/s per rank, two days apart)
+LIMITS_TOLERANCE = 0.15
+
+
+def _not_comparable(rec: dict, peer: dict) -> str | None:
+    """Why a peer's times do not compare with a bench record's (None: they do): another CPU, or the same CPU model
+    measuring other limits (a busier or slower machine). Records from before the limits were measured compare by
+    CPU alone, and only with each other."""
+    if not _same_machine(rec, peer):
+        return f"another CPU ({peer['machine'].get('cpu')}, {' '.join(peer['machine'].get('cpu_flags') or [])})"
+    ours, theirs = ((r.get("machine_limits") or {}).get("tp") or {} for r in (rec, peer))
+    if not ours and not theirs:
+        return None
+    if not ours or not theirs:
+        return "only one of the two records measured the machine's limits"
+    for key, unit, what in (("read_gb_s", "GB/s", "memory read"), ("gemm_gflop_s", "GFLOP/s", "GEMM")):
+        a, b = ours.get(key), theirs.get(key)
+        if a and b and abs(a - b) > LIMITS_TOLERANCE * max(a, b):
+            return f"the machine's limits differ: {what} {b:.1f} {unit} per rank beside the bench's {a:.1f}"
+    return None
 
 
 #: what regenerates the results sections of the docs

@@ -141,7 +141,8 @@ def _main(spec: dict, out: Path) -> None:
     record = {"rank": run.rank, "world_size": dist.get_world_size(), "timings": timings, "jobs": {}}
     if device_kind == "cuda":
         record["gpu"] = torch.cuda.get_device_name(run.device)
-    if spec.get("limits") and any("ab" in job["phases"] for job in spec["jobs"]):  # before any load, all ranks at once
+    # before any load, all ranks at once; a launch with no jobs measures the limits only (beside a peer engine's run)
+    if spec.get("limits") and (not spec["jobs"] or any("ab" in job["phases"] for job in spec["jobs"])):
         run.say(f"machine limits: memory bandwidth and {run.dtype_name} GEMM throughput, every rank at once")
         record["limits"] = run.limits = measure_limits(run)
         gc.collect()
