@@ -414,21 +414,21 @@ def merge(paths: list[Path]) -> dict:
                              versions.parse(str(r["machine"]["transformers"])) or versions.Version("0"),
                              r["dtype"] != "float32"))
     joined = []
+    newest = versions.newest(str(x["machine"]["transformers"]) for x in runs) if peers else None
     for peer in peers:
-        newest = versions.newest(str(x["machine"]["transformers"]) for x in runs)
         kinds = {(row["size"], row["dtype"]) for row in peer["rows"]}
         latest = [r for r in runs if str(r["machine"]["transformers"]) == newest
                   and (r["settings"]["size"], r["dtype"]) in kinds]
-        why_not = [why for why in (_not_comparable(r, peer) for r in latest) if why]
-        comparable = [r for r in latest if not _not_comparable(r, peer)]
+        verdicts = [(r, _not_comparable(r, peer)) for r in latest]
+        comparable = [r for r, why in verdicts if not why]
+        why_not = next((why for _, why in verdicts if why), "no bench record of its run")
         for peer_row in peer["rows"]:
             for rec in comparable:
                 for row in rec["rows"]:
                     if all(row.get(k) == peer_row.get(k) for k in ("family", "size", "dtype", "batch")):
                         row[PEER] = peer_row
-        joined.append({**{k: v for k, v in peer.items() if k != "rows"},
-                       "joined": bool(comparable), **({} if comparable else {"not_joined": why_not[0] if why_not
-                                                                                else "no bench record of its run"})})
+        meta = {k: v for k, v in peer.items() if k != "rows"}
+        joined.append({**meta, "joined": True} if comparable else {**meta, "joined": False, "not_joined": why_not})
     return {"tool": f"codegen {__version__} bench (merged)", "runs": runs, **({"peers": joined} if peers else {})}
 
 
