@@ -1672,10 +1672,57 @@ def test_the_compiled_grouped_matmul_is_torchs_product_per_expert_with_a_fake_fo
     starts = [0, 3, 3, 7]
     want = torch.cat([rows[s:e] @ weight[i] for i, (s, e) in enumerate(zip(starts, ends.tolist()))])
     assert torch.allclose(got, want, atol=1e-5)
-    assert torch.equal(got, torch._grouped_mm(rows, weight, offs=ends.to(torch.int32)))  # what eager runs
+    assert torch.allclose(got, torch._grouped_mm(rows, weight, offs=ends.to(torch.int32)), atol=1e-5)  # eager's
     with FakeTensorMode() as mode:
         fake = torch.ops.codegen.grouped_mm(mode.from_tensor(rows), mode.from_tensor(weight), mode.from_tensor(ends))
     assert tuple(fake.shape) == (10, out)
+
+
+def _grouped_reference(rows, weight, ends):
+    """torch's matmul per expert, rows past the last group 0."""
+    out, start = rows.new_zeros(rows.shape[0], weight.shape[-1]), 0
+    for expert, end in enumerate(ends.tolist()):
+        out[start:end] = rows[start:end] @ weight[expert]
+        start = end
+    return out
+
+
+@pytest.mark.parametrize("layout", ["rows", "columns"])
+@pytest.mark.parametrize("offs_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_experts_kernel_is_torchs_matmul_per_expert(layout, offs_dtype, threads):
+    """Groups of 1..16 rows go to the C kernel, larger ones (prefill) to torch, empty experts are skipped and the
+    padding rows past the last group are 0, in both weight layouts transformers passes (gpt-oss's row-major
+    experts, and the transposed view of the (E, out, in) ones)."""
+    assert rt.grouped_mm_kernel() is not None, "the kernel did not build on this machine"
+    torch.manual_seed(0)
+    experts, width, out = 6, 40, 300  # 300 columns: more than one column block of the kernel
+    counts = torch.tensor([1, 0, 16, 17, 3, 0])
+    ends = counts.cumsum(0).to(offs_dtype)
+    rows = torch.randn(int(counts.sum()) + 2, width)  # 2 padding rows
+    if layout == "rows":
+        weight = torch.randn(experts, width, out)
+    else:
+        weight = torch.randn(experts, out, width).transpose(1, 2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = rt.experts_grouped_mm(rows, weight, ends)
+    finally:
+        torch.set_num_threads(before)
+    want = _grouped_reference(rows, weight, ends)
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-5), (got - want).abs().max()
+    assert torch.equal(got[-2:], torch.zeros(2, out))
+
+
+def test_without_a_compiler_the_experts_run_torchs_matmul_and_say_so_once(monkeypatch, capsys):
+    fresh = runtime_module("codegen_test_no_compiler")
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    rows, weight, ends = torch.randn(5, 8), torch.randn(3, 8, 4), torch.tensor([2, 2, 4])
+    for _ in range(2):
+        assert torch.equal(fresh.experts_grouped_mm(rows, weight, ends), _grouped_reference(rows, weight, ends))
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and "grouped-matmul kernel cannot be built here" in said[0], said
 
 
 def test_a_policy_loaded_from_a_file_becomes_importable_for_the_compiler(monkeypatch):

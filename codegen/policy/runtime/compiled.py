@@ -10,8 +10,8 @@ updates: thousands of small eager ops fused), but two ops the eager model issues
   they hang. It becomes `codegen::tp_all_reduce`, out of place, on DeepSpeed's kernel;
 - transformers 5.x's grouped matmul of fused experts outside bfloat16 (`transformers::grouped_mm_fallback`, one
   matmul per expert from Python, because `torch._grouped_mm` has no float32 fake kernel): it becomes
-  `codegen::grouped_mm`, one matmul per expert that has rows (torch's CPU `_grouped_mm`, which the eager model runs,
-  visits every expert).
+  `codegen::grouped_mm`, which visits only the experts that have rows (torch's CPU `_grouped_mm`, which the eager
+  model runs, visits every expert), a decode step's all in one C loop (codegen.policy.runtime.kernel).
 
 A forward is captured as one graph or runs eager (`fullgraph=True`). Each captured graph's collectives are counted
 as it is captured (`CompiledForward.graphs`) and added up as it runs (`CompiledForward.ran`), so a compiled rank's
@@ -26,6 +26,7 @@ import types
 import torch
 
 from codegen.policy.runtime.base import PolicyError
+from codegen.policy.runtime.kernel import experts_grouped_mm
 
 #: the functional all-reduce every reduction of a compiled rank becomes
 TP_ALL_REDUCE = "codegen::tp_all_reduce"
@@ -69,16 +70,11 @@ def register_ops():
 
     @torch.library.custom_op(GROUPED_MM, mutates_args=())
     def grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        """(S, in) rows sorted by expert @ (E, in, out) per expert, `offs` the groups' ends: one matmul per expert
-        that has rows. torch's CPU `_grouped_mm` visits every expert, empty or not (a decode step routes a token to
-        8 of 128): measured, a toy Qwen3-MoE decode step on 2 ranks took 5.3-7.0 ms this way against 7.2-9.3 ms."""
-        output = input.new_zeros(input.shape[0], weight.shape[-1])  # rows past the last group (padding) stay 0
-        start = 0
-        for expert, end in enumerate(offs.tolist()):
-            if end != start:
-                torch.mm(input[start:end], weight[expert], out=output[start:end])
-                start = end
-        return output
+        """(S, in) rows sorted by expert @ (E, in, out) per expert, `offs` the groups' ends: the experts that have
+        rows only (codegen.policy.runtime.kernel). torch's CPU `_grouped_mm` visits every expert, empty or not (a
+        decode step routes a token to 8 of 128): measured, a toy Qwen3-MoE decode step on 2 ranks took 5.3-7.0 ms
+        with one matmul per expert that has rows against 7.2-9.3 ms."""
+        return experts_grouped_mm(input, weight, offs)
 
     @grouped_mm.register_fake
     def _(input, weight, offs):
