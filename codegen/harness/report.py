@@ -524,17 +524,19 @@ def summary_table(record_or_merged: dict) -> str:
 
 
 def _compile_summary(rows: list[tuple[dict, dict]]) -> str:
-    """The summary's line on what compiling costs (f), over every recorded row that has it, by widths."""
+    """The summary's line on what compiling costs (f), over every recorded row that has it (each batch compiles
+    graphs of its own shapes), by widths."""
     parts = []
     for size in ("bench", "full"):
         every = [row["compiled"]["compile"] for _, row in rows
-                 if row["size"] == size and row["batch"] == 1 and (_present(row, "compiled") or {}).get("compile")]
+                 if row["size"] == size and (_present(row, "compiled") or {}).get("compile")]
         costs = [c for c in every if not c.get("fallback")]
         if not costs:
             continue
         cold = [c["cold_s"] for c in costs]
         warm = [c["warm_s"] for c in costs if c.get("warm_s") is not None]
-        parts.append(f"{size_name(size)} widths, {len(costs)} families: cold {min(cold):.0f}–{max(cold):.0f} s"
+        parts.append(f"{size_name(size)} widths, {len(costs)} (family, batch) runs: "
+                     f"cold {min(cold):.0f}–{max(cold):.0f} s"
                      + (f", warm (inductor's on-disk cache, a new process) {min(warm):.0f}–{max(warm):.0f} s"
                         if warm else "")
                      + (f" ({len(every) - len(costs)} more ran eager: torch.compile could not capture their forward "

@@ -39,7 +39,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'glm4_moe', 'moe_classes': ['Glm4MoeMoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': ''}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_glm4_moe'
-RUNTIME_SHA256 = '1a6b1318a479f58e5bec3b9bb4264a87f15b2cf2ff907ef4ea97695442d09416'
+RUNTIME_SHA256 = '9592b8152fd30782b84115aab0bfdfda8667621f6ce4e7526481ff6dac6a32f7'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -1656,8 +1656,8 @@ def grouped_mm_kernel():
         function = ctypes.CDLL(path).codegen_grouped_mm_f32
     except (OSError, subprocess.SubprocessError) as exc:
         _kernel_unavailable = " ".join(str(exc).split())[:200] or type(exc).__name__
-        print(f"codegen policy: the grouped-matmul kernel cannot be built here ({_kernel_unavailable}); the experts run "
-              "torch's matmul one by one", file=sys.stderr, flush=True)
+        print(f"codegen policy: the grouped-matmul kernel cannot be built here ({_kernel_unavailable}); the "
+              "experts run torch's matmul one by one", file=sys.stderr, flush=True)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     function.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, ctypes.c_int, i64, i64, i64, ptr, i64, ctypes.c_int]
@@ -1671,7 +1671,8 @@ def experts_grouped_mm(input, weight, offs):
     are 0 (as transformers' fallback leaves them). Small groups run in the kernel, the rest in torch's matmul."""
     import torch
 
-    kernel = grouped_mm_kernel() if input.dtype == weight.dtype == torch.float32 else None
+    on_cpu = input.device.type == weight.device.type == offs.device.type == "cpu"
+    kernel = grouped_mm_kernel() if on_cpu and input.dtype == weight.dtype == torch.float32 else None
     if kernel is not None and offs.dtype in (torch.int32, torch.int64):
         x = input if input.stride(-1) == 1 else input.contiguous()
         offs = offs.contiguous()

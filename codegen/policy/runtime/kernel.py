@@ -173,8 +173,8 @@ def grouped_mm_kernel():
         function = ctypes.CDLL(path).codegen_grouped_mm_f32
     except (OSError, subprocess.SubprocessError) as exc:
         _kernel_unavailable = " ".join(str(exc).split())[:200] or type(exc).__name__
-        print(f"codegen policy: the grouped-matmul kernel cannot be built here ({_kernel_unavailable}); the experts run "
-              "torch's matmul one by one", file=sys.stderr, flush=True)
+        print(f"codegen policy: the grouped-matmul kernel cannot be built here ({_kernel_unavailable}); the "
+              "experts run torch's matmul one by one", file=sys.stderr, flush=True)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     function.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, ctypes.c_int, i64, i64, i64, ptr, i64, ctypes.c_int]
@@ -188,7 +188,8 @@ def experts_grouped_mm(input, weight, offs):
     are 0 (as transformers' fallback leaves them). Small groups run in the kernel, the rest in torch's matmul."""
     import torch
 
-    kernel = grouped_mm_kernel() if input.dtype == weight.dtype == torch.float32 else None
+    on_cpu = input.device.type == weight.device.type == offs.device.type == "cpu"
+    kernel = grouped_mm_kernel() if on_cpu and input.dtype == weight.dtype == torch.float32 else None
     if kernel is not None and offs.dtype in (torch.int32, torch.int64):
         x = input if input.stride(-1) == 1 else input.contiguous()
         offs = offs.contiguous()
