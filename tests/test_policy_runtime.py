@@ -1715,6 +1715,12 @@ def test_the_experts_kernel_is_torchs_matmul_per_expert(layout, offs_dtype, thre
     assert torch.equal(got[-2:], torch.zeros(2, out))
 
 
+def test_offsets_past_the_rows_are_left_to_torch_not_read_by_the_kernel():
+    """torch slices as transformers' fallback does (to the rows there are); the kernel never reads past them."""
+    rows, weight, ends = torch.randn(4, 8), torch.randn(2, 8, 4), torch.tensor([2, 9])
+    assert torch.equal(rt.experts_grouped_mm(rows, weight, ends), _grouped_reference(rows, weight, ends))
+
+
 def test_without_a_compiler_the_experts_run_torchs_matmul_and_say_so_once(monkeypatch, capsys):
     fresh = runtime_module("codegen_test_no_compiler")
     monkeypatch.setenv("CC", "/nonexistent/cc")

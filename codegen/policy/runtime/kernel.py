@@ -80,7 +80,8 @@ static void by_weight_columns(const float *x, int64_t ldx, const float *w, int64
 
 /* out = x @ w per expert group, x (S, K) rows sorted by expert, w (E, K, N) with strides (se, sk, sn), sk == 1 or
    sn == 1, out (S, N). Computes the groups with 1..MAX_ROWS rows and zeroes the rows past the last group; returns
-   how many groups have more rows (the caller computes those), or -1 if the layout is not one it takes. */
+   how many groups have more rows (the caller computes those), or -1 if the layout is not one it takes or the
+   offsets point past x. */
 int64_t codegen_grouped_mm_f32(const float *x, int64_t S, int64_t ldx, const float *w, int64_t se, int64_t sk,
                                int64_t sn, const void *offs, int offs64, int64_t E, int64_t K, int64_t N,
                                float *out, int64_t ldo, int threads) {
@@ -91,6 +92,7 @@ int64_t codegen_grouped_mm_f32(const float *x, int64_t S, int64_t ldx, const flo
     for (int64_t e = 0; e < E; e++) {
         int64_t start, end;
         group(offs, offs64, e, &start, &end);
+        if (end > S || start < 0) { free(small); return -1; }  /* not offsets into x: left to the caller's torch */
         if (end - start > MAX_ROWS) large++;
         else if (end > start) small[nsmall++] = e;
         if (end > last) last = end;

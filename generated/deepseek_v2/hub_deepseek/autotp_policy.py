@@ -41,7 +41,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'deepseek_v2', 'moe_classes': ['DeepseekV2Moe', 'DeepseekV2MoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': ''}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': ['q_a_proj', 'kv_a_proj_with_mqa'], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_deepseek_codegen'
-RUNTIME_SHA256 = '9592b8152fd30782b84115aab0bfdfda8667621f6ce4e7526481ff6dac6a32f7'
+RUNTIME_SHA256 = '300ac516160439da5d6a2ea826680baa23ab3e48c369ae0b205b7cdd29380c1a'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -1565,7 +1565,8 @@ static void by_weight_columns(const float *x, int64_t ldx, const float *w, int64
 
 /* out = x @ w per expert group, x (S, K) rows sorted by expert, w (E, K, N) with strides (se, sk, sn), sk == 1 or
    sn == 1, out (S, N). Computes the groups with 1..MAX_ROWS rows and zeroes the rows past the last group; returns
-   how many groups have more rows (the caller computes those), or -1 if the layout is not one it takes. */
+   how many groups have more rows (the caller computes those), or -1 if the layout is not one it takes or the
+   offsets point past x. */
 int64_t codegen_grouped_mm_f32(const float *x, int64_t S, int64_t ldx, const float *w, int64_t se, int64_t sk,
                                int64_t sn, const void *offs, int offs64, int64_t E, int64_t K, int64_t N,
                                float *out, int64_t ldo, int threads) {
@@ -1576,6 +1577,7 @@ int64_t codegen_grouped_mm_f32(const float *x, int64_t S, int64_t ldx, const flo
     for (int64_t e = 0; e < E; e++) {
         int64_t start, end;
         group(offs, offs64, e, &start, &end);
+        if (end > S || start < 0) { free(small); return -1; }  /* not offsets into x: left to the caller's torch */
         if (end - start > MAX_ROWS) large++;
         else if (end > start) small[nsmall++] = e;
         if (end > last) last = end;
