@@ -38,7 +38,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'qwen3_vl_moe', 'moe_classes': ['Qwen3VLMoeTextSparseMoeBlock'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_halves_cols', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'expert_dim', 'gate_up_bias': '', 'down_bias': ''}, 'shared': [], 'routers': ['gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': ['visual'], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_qwen3_vl_moe'
-RUNTIME_SHA256 = '300ac516160439da5d6a2ea826680baa23ab3e48c369ae0b205b7cdd29380c1a'
+RUNTIME_SHA256 = '62f27c707fb9d2f28c43f57555c09b2e063f136ac4a5e7f5313310c89959af56'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -1497,6 +1497,7 @@ torch's matmul per expert and says why once.
 """
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -1504,6 +1505,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+
+import torch  # first: the kernel's OpenMP threads run on the runtime torch loaded (one libgomp per process)
 
 
 #: experts with at most this many rows go to the kernel; more (prefill) go to torch's matmul, which packs the
@@ -1597,11 +1600,6 @@ int64_t codegen_grouped_mm_f32(const float *x, int64_t S, int64_t ldx, const flo
 }
 """
 
-#: why the kernel could not be had in this process (said once), or None
-_kernel_unavailable = None
-_kernel_loaded = None
-
-
 def _c_compiler():
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
@@ -1639,15 +1637,11 @@ def _build_kernel(compiler, flags, path):
         os.replace(built, path)
 
 
+@functools.lru_cache(maxsize=1)
 def grouped_mm_kernel():
     """The loaded kernel (a ctypes function), or None where it cannot be had here (the reason is said once)."""
-    global _kernel_loaded, _kernel_unavailable
-    if _kernel_loaded is not None or _kernel_unavailable is not None:
-        return _kernel_loaded
     flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c99", f"-DMAX_ROWS={SMALL_GROUP_ROWS}"]
     try:
-        import torch  # noqa: F401 - its OpenMP runtime is loaded first, and the kernel's threads run on it
-
         compiler = _c_compiler()
         if compiler is None:
             raise OSError("no C compiler (cc, gcc or clang) on PATH")
@@ -1656,22 +1650,19 @@ def grouped_mm_kernel():
             _build_kernel(compiler, flags, path)
         function = ctypes.CDLL(path).codegen_grouped_mm_f32
     except (OSError, subprocess.SubprocessError) as exc:
-        _kernel_unavailable = " ".join(str(exc).split())[:200] or type(exc).__name__
-        print(f"codegen policy: the grouped-matmul kernel cannot be built here ({_kernel_unavailable}); the "
-              "experts run torch's matmul one by one", file=sys.stderr, flush=True)
+        why = " ".join(str(exc).split())[:200] or type(exc).__name__
+        print(f"codegen policy: the grouped-matmul kernel cannot be built here ({why}); the experts run torch's "
+              "matmul one by one", file=sys.stderr, flush=True)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     function.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, ctypes.c_int, i64, i64, i64, ptr, i64, ctypes.c_int]
     function.restype = i64
-    _kernel_loaded = function
-    return _kernel_loaded
+    return function
 
 
 def experts_grouped_mm(input, weight, offs):
     """(S, in) rows sorted by expert @ (E, in, out) per expert, `offs` the groups' ends; rows past the last group
     are 0 (as transformers' fallback leaves them). Small groups run in the kernel, the rest in torch's matmul."""
-    import torch
-
     on_cpu = input.device.type == weight.device.type == offs.device.type == "cpu"
     kernel = grouped_mm_kernel() if on_cpu and input.dtype == weight.dtype == torch.float32 else None
     if kernel is not None and offs.dtype in (torch.int32, torch.int64):
@@ -1690,8 +1681,6 @@ def experts_grouped_mm(input, weight, offs):
 
 def _matmul_per_expert(input, weight, offs, output, more_than=0):
     """torch's matmul for each expert with more than `more_than` rows, into `output`."""
-    import torch
-
     start = 0
     for expert, end in enumerate(offs.tolist()):
         if end - start > more_than:
