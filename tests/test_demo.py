@@ -17,9 +17,10 @@ from conftest import FAMILIES, STOCK_AUTOTP_CRASHES, run_codegen
 
 pytestmark = [pytest.mark.runtime, pytest.mark.once]
 
-#: the demo runs every family; the test runs one stock AutoTP handles and one it crashes on (`--families`), as
-#: every family's before/after counts are asserted by `verify` in tests/test_verify.py in every environment
-DEMO_FAMILIES = ("qwen2_moe", "gpt_oss")
+#: the demo runs every family, and so does the test: the README's command is the whole demo (the bench's ab phase
+#: counts, per family, what `verify` counts in tests/test_verify.py; a family whose config or block shape only the
+#: demo met, dbrx's `n_layers` or Gemma 4's decoder-layer MoE block, failed it alone)
+DEMO_FAMILIES = tuple(FAMILIES)
 
 ROW = re.compile(
     rf"^(?P<family>{'|'.join(map(re.escape, FAMILIES))})\s+(?P<p_before>\S+)\s+(?P<p_after>\S+)\s+(?P<d_before>\S+)\s+(?P<d_after>\S+)"
@@ -30,9 +31,10 @@ ROW = re.compile(
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    """One demo run shared by the tests (builds, patches, starts 2 ranks: about a minute on 2 cores)."""
+    """One demo run shared by the tests, as the README runs it (builds, patches, starts 2 ranks: about 3 minutes on
+    2 cores)."""
     work = tmp_path_factory.mktemp("demo")
-    result = run_codegen("demo", "--workdir", work, "--families", *DEMO_FAMILIES, timeout=600)
+    result = run_codegen("demo", "--workdir", work, timeout=900)
     rows = {m["family"]: m.groupdict() for m in ROW.finditer(result.stdout)}
     return work, result, rows
 
@@ -42,7 +44,7 @@ def test_demo_exits_0_without_traceback(demo):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr + result.stdout
     assert "OK: after codegen, one all-reduce per MoE layer" in result.stdout
-    assert set(rows) == set(DEMO_FAMILIES)  # --families: those rows and no others
+    assert set(rows) == set(DEMO_FAMILIES)  # a row per family, and no others
 
 
 def test_demo_shows_progress_with_elapsed_seconds(demo):
@@ -62,11 +64,13 @@ def test_demo_prints_one_all_reduce_per_moe_layer_after_and_matching_logits(demo
     assert int(row["e_after"]) == 50  # routed experts sharded over the 2 ranks
     if family in STOCK_AUTOTP_CRASHES:  # before: stock AutoTP crashed; the note under the table says why
         assert row["p_before"] == row["d_before"] == row["e_before"] == row["diff_before"] == "crash"
-        assert f"note: stock AutoTP crashed on {family} ({STOCK_AUTOTP_CRASHES[family]}" in result.stdout
-    else:  # before: stock AutoTP's count; with a shared expert, at least the one reduction the patched dir keeps
+        # the crash line itself depends on the input's shape (the demo's prompt is not verify's)
+        assert f"note: stock AutoTP crashed on {family} (" in result.stdout
+    else:  # before: stock AutoTP's count (its logits may be wrong: a comparison, not held to the tolerance); with a
+        # shared expert, at least the one reduction the patched dir keeps
         from codegen.families import FAMILIES as TABLE
 
-        assert float(row["diff_before"]) <= 1e-5
+        assert float(row["diff_before"]) >= 0
         assert int(row["p_before"].split("-")[-1]) >= int(bool(TABLE[family].shared_experts))
 
 
@@ -77,6 +81,8 @@ def test_demo_leaves_patched_dirs_that_load_with_trust_remote_code(demo, family)
     patched = root / family / "patched"
     config = json.loads((patched / "config.json").read_text())
     assert config["codegen_coalesce_moe_all_reduce"] is True
-    assert "AutoModelForCausalLM" in config["auto_map"]
+    # every auto class the dir maps (a causal LM, or a multimodal wrapper's classes) names a module the dir holds
+    assert config["auto_map"]
+    assert all((patched / f"{ref.split('.')[0]}.py").is_file() for ref in config["auto_map"].values())
     assert (patched / "autotp_policy.py").is_file()
     assert (patched / ".codegen" / "manifest.json").is_file()

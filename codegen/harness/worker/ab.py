@@ -26,7 +26,8 @@ from codegen.harness.limits import forward_work
 from codegen.harness.memory import LOAD_ORDER
 from codegen.harness.worker.counting import per_block_counts
 from codegen.harness.worker.limits import RoutingRecorder, inventory
-from codegen.harness.worker.model_figures import cache_of, moe_blocks, param_bytes
+from codegen.harness.worker.model_figures import (block_groups, cache_of, decoder_layers, moe_blocks,
+                                                  nested_in_blocks, param_bytes)
 from codegen.harness.worker.reference import Reference, agree, relative
 from codegen.harness.worker.run import LABELS, CompiledView, Run, dry_run, guarded
 
@@ -84,15 +85,18 @@ def measure_ab(run: Run, job: dict, opts: dict, ids, ref: Reference) -> dict:
     run.say(f"{name}: loading {', '.join(LABELS[m] for m in wanted)} on {run.tp} ranks ({run.dtype_name})")
     models, record, crashes = _load_setups(run, job, opts, ids, wanted)
     order_base = [m for m in ("stock", "codegen", "compiled", "native", "single") if m in models]
+    # the decoder layers as loaded (a config's own key for them varies: dbrx's `n_layers`)
+    num_layers = next((len(decoder_layers(m)) for k, m in models.items() if k != "compiled"), None)
     # hooks are on a model only while its own counted pass runs: (f) shares (b)'s modules, and torch.compile would
     # trace any hook present into (f)'s graphs and recompile whenever a count it reads changed
-    blocks, routing = {}, {}
+    blocks, inside, routing = {}, {}, {}
     for mode, model in models.items():
         if mode == "compiled":  # its routing and per-block counts are (b)'s, see `same_as_eager`
             model = model.model
-            routing[mode], blocks[mode] = None, []
+            routing[mode], blocks[mode], inside[mode] = None, [], []
         else:
-            routing[mode], blocks[mode] = RoutingRecorder(model), moe_blocks(model)
+            groups = block_groups(model)
+            routing[mode], blocks[mode], inside[mode] = RoutingRecorder(model), groups["moe"], nested_in_blocks(groups)
         record[mode]["inventory"] = inventory(model)
         figures = param_bytes(model)
         record[mode].update(bytes=figures, moe_blocks=len(moe_blocks(model)))
@@ -119,8 +123,8 @@ def measure_ab(run: Run, job: dict, opts: dict, ids, ref: Reference) -> dict:
             output, counts, graphs = models[mode].counted(counter, *a, **kw)
             graphs_run.append(graphs)
             return output, counts, ([], [])
-        per_block, handles = per_block_counts(blocks[mode], counter)
-        per_block_gathers, more = per_block_counts(blocks[mode], counter, "gathers")
+        per_block, handles = per_block_counts(blocks[mode], counter, inside=inside[mode])
+        per_block_gathers, more = per_block_counts(blocks[mode], counter, "gathers", inside[mode])
         try:
             with routing[mode], counter:
                 output = models[mode](*a, **kw)
@@ -224,7 +228,7 @@ def measure_ab(run: Run, job: dict, opts: dict, ids, ref: Reference) -> dict:
     gc.collect()
     for mode, crash in crashes.items():
         record[mode] = {"mode": mode, "crashed": crash}
-    return {**record, "full_bytes": ref.bytes, "batch": int(ids.shape[0]), "prompt_len": int(ids.shape[1]),
+    return {**record, "num_layers": num_layers, "full_bytes": ref.bytes, "batch": int(ids.shape[0]), "prompt_len": int(ids.shape[1]),
             "dtype": run.dtype_name, "rss_peak_bytes": rss_peak(), "limits": run.limits,
             "reference": {"prefill_s": ref.prefill_s, "decode_s": ref.decode_s[warmup:],
                           "baseline": ref.baseline}}

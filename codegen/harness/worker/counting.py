@@ -54,22 +54,29 @@ class CollectiveCounter(TorchDispatchMode):
         self.log.clear()
 
 
-def per_block_counts(blocks, counter: CollectiveCounter, attr: str = "calls") -> tuple[list[int], list]:
+def per_block_counts(blocks, counter: CollectiveCounter, attr: str = "calls",
+                     inside: list[list] | None = None) -> tuple[list[int], list]:
     """Hooks adding each block's all-reduces (or `gathers`: the counter's delta between entry and exit) to
-    counts[i]; they count only what runs under the counter."""
+    counts[i], less those of the modules `inside[i]` nested in it; they count only what runs under the counter."""
     counts = [0] * len(blocks)
     handles = []
-    for i, block in enumerate(blocks):
+
+    def span(module, i: int, sign: int) -> None:
         start = {}
 
-        def pre(_m, _a, start=start):
+        def pre(_m, _a):
             start["n"] = getattr(counter, attr)
 
-        def post(_m, _a, _o, i=i, start=start):
-            counts[i] += getattr(counter, attr) - start["n"]
+        def post(_m, _a, _o):
+            counts[i] += sign * (getattr(counter, attr) - start["n"])
 
-        handles.append(block.register_forward_pre_hook(pre))
-        handles.append(block.register_forward_hook(post))
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post))
+
+    for i, block in enumerate(blocks):
+        span(block, i, 1)
+        for inner in (inside[i] if inside else []):
+            span(inner, i, -1)
     return counts, handles
 
 

@@ -16,9 +16,9 @@ import time
 import torch
 
 from codegen.harness.worker.counting import ALL_REDUCE_OPS, CollectiveCounter, per_block_counts, tally
-from codegen.harness.worker.model_figures import (attention_reductions, cache_of, decoder_layers, gate_types,
-                                                  gates_intact, layer_dense_mlps, layer_units, moe_blocks,
-                                                  output_embeddings, param_bytes, sharding_figures, sublayers)
+from codegen.harness.worker.model_figures import (attention_reductions, block_groups, cache_of, decoder_layers,
+                                                  gate_types, gates_intact, nested_in_blocks, output_embeddings,
+                                                  param_bytes, sharding_figures)
 from codegen.harness.worker.reference import Reference, greedy
 from codegen.harness.worker.run import CompiledView, Run, dry_run, guarded
 from codegen.policy.runtime.base import REDUCE_HELPER, REDUCER_ATTR
@@ -44,30 +44,18 @@ def built_and_dry_run(phase: str, job: dict, run: Run, opts: dict, ids, ref: Ref
 def measure(phase: str, model, run: Run, opts: dict, ids, ref: Reference) -> dict:
     counter, dist = run.counter, run.dist
     layers = decoder_layers(model)
-    blocks = moe_blocks(model)
-    block_ids = {id(b) for b in blocks}
-    units = [layer_units(layer, block_ids) for layer in layers]
-    groups = {
-        "attention": [a for attention, _ in units for a in sublayers(attention)],
-        "moe": blocks,
-        "dense_mlp": [mlp for _, mlp in units if mlp is not None and id(mlp) not in block_ids]
-        + [mlp for layer in layers for mlp in layer_dense_mlps(layer)],
-        "lm_head": [m for m in [output_embeddings(model)] if m is not None],
-    }
+    groups = block_groups(model)
+    blocks = groups["moe"]
+    nested = nested_in_blocks(groups)
     hooks, counts = [], {}
     for key, modules in groups.items():
-        counts[key], handles = per_block_counts(modules, counter)
+        counts[key], handles = per_block_counts(modules, counter, inside=nested if key == "moe" else None)
         hooks += handles
-    # an MoE block that is a whole decoder layer (the table's `block_reductions`: Gemma 4) holds an attention and a
-    # dense MLP block, counted as such: its MoE figures are what runs in it outside them
-    nested = {id(b): [(key, j) for key in ("attention", "dense_mlp") for j, inner in enumerate(groups[key])
-                      if inner is not None and any(inner is sub for sub in b.modules())] for b in blocks}
     moe_entries: list[str] = []
-    for block in blocks:
+    for block, inside in zip(blocks, nested):
         mark, skip = {}, []
-        for key, j in nested[id(block)]:
+        for inner in inside:
             span = {}
-            inner = groups[key][j]
             hooks.append(inner.register_forward_pre_hook(lambda _m, _a, span=span: span.update(n=len(counter.log))))
             hooks.append(inner.register_forward_hook(
                 lambda _m, _a, _o, span=span, skip=skip: skip.append(range(span["n"], len(counter.log)))))
@@ -89,7 +77,6 @@ def measure(phase: str, model, run: Run, opts: dict, ids, ref: Reference) -> dic
         result["moe_allreduce_entries"] = tally([e for e in moe_entries if e in ALL_REDUCE_OPS])
         per_forward = counter.calls
         counts = {key: list(values) for key, values in counts.items()}
-        counts["moe"] = own_moe_counts(counts, groups, nested)
         prefill_s = []
         for _ in range(opts["repeats"]):
             dist.barrier()
@@ -189,18 +176,12 @@ def decode_check(model, ids, ref: Reference, steps: int) -> tuple[int, float]:
     return min(steps, len(ref.forced)), worst
 
 
-def own_moe_counts(counts: dict, groups: dict, nested: dict) -> list[int]:
-    """Each MoE block's all-reduces less those of the attention and dense MLP blocks nested in it (an MoE block
-    that is a whole decoder layer: Gemma 4)."""
-    return [c - sum(counts[key][j] for key, j in nested[id(b)]) for b, c in zip(groups["moe"], counts["moe"])]
-
-
-def image_forward(model, groups: dict, nested: dict, run: Run, ref: Reference) -> dict:
+def image_forward(model, groups: dict, nested: list[list], run: Run, ref: Reference) -> dict:
     """One counted forward of the reference's image prompt: all-reduces in all and per MoE block, logits diff."""
     counter = run.counter
     hooks, counts = [], {}
     for key in ("attention", "moe", "dense_mlp"):
-        counts[key], handles = per_block_counts(groups[key], counter)
+        counts[key], handles = per_block_counts(groups[key], counter, inside=nested if key == "moe" else None)
         hooks += handles
     counter.reset()
     try:
@@ -209,7 +190,7 @@ def image_forward(model, groups: dict, nested: dict, run: Run, ref: Reference) -
     finally:
         for h in hooks:
             h.remove()
-    return {"allreduce_per_forward": counter.calls, "allreduce_per_moe_block": own_moe_counts(counts, groups, nested),
+    return {"allreduce_per_forward": counter.calls, "allreduce_per_moe_block": counts["moe"],
             "maxdiff": (logits - ref.image_logits).abs().max().item()}
 
 

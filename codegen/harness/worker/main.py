@@ -69,8 +69,7 @@ def run_job(run: Run, job: dict, defaults: dict, timings: dict) -> dict:
     for phase in phases:
         t = time.perf_counter()
         if phase == "ab":
-            out[phase] = {"num_layers": model_sizes(job["reference"])["num_hidden_layers"],
-                          **measure_ab(run, job, opts, ids, ref)}
+            out[phase] = measure_ab(run, job, opts, ids, ref)
         else:
             run.say(f"{name}: {phase}")
             if phase == "stock":  # a comparison: a crash is recorded, the launch goes on

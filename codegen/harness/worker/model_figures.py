@@ -119,6 +119,29 @@ def layer_units(layer, block_ids: set) -> tuple:
     return attention, None
 
 
+def block_groups(model) -> dict:
+    """The blocks whose all-reduces are counted apart: {"attention", "moe", "dense_mlp", "lm_head": [modules]}."""
+    layers = decoder_layers(model)
+    blocks = moe_blocks(model)
+    block_ids = {id(b) for b in blocks}
+    units = [layer_units(layer, block_ids) for layer in layers]
+    return {
+        "attention": [a for attention, _ in units for a in sublayers(attention)],
+        "moe": blocks,
+        "dense_mlp": [mlp for _, mlp in units if mlp is not None and id(mlp) not in block_ids]
+        + [mlp for layer in layers for mlp in layer_dense_mlps(layer)],
+        "lm_head": [m for m in [output_embeddings(model)] if m is not None],
+    }
+
+
+def nested_in_blocks(groups: dict) -> list[list]:
+    """Per MoE block of `groups["moe"]`, the attention and dense MLP blocks inside it. An MoE block that is a whole
+    decoder layer (the table's `block_reductions`: Gemma 4) holds them; its MoE figures are what runs in it outside
+    them."""
+    return [[inner for key in ("attention", "dense_mlp") for inner in groups[key]
+             if inner is not None and any(inner is sub for sub in b.modules())] for b in groups["moe"]]
+
+
 def output_embeddings(model):
     """The model's LM head: its own `get_output_embeddings()`, else (a wrapper that builds its text decoder as a whole
     causal LM and does not delegate it: Nemotron-H Omni's `language_model`) the first submodule's that has one."""
