@@ -1234,6 +1234,43 @@ def test_threads_are_the_ranks_share_of_the_cores_unless_omp_num_threads_says():
     assert rt.local_ranks({"LOCAL_WORLD_SIZE": "4"}) == 4 and rt.local_ranks({}, world=3) == 3
 
 
+#: a process that frees a 64 MiB block, then allocates and fills one again: the page faults of the second
+_REFAULTS = """
+import resource, sys
+from codegen.policy.runtime.environment import malloc_note
+print(malloc_note({}) if sys.argv[1] == "kept" else None)
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+block = bytearray(64 << 20)
+del block
+before = faults()
+block = bytearray(64 << 20)
+print(faults() - before)
+"""
+
+
+def test_freed_large_blocks_are_reused_without_page_faults_on_a_cpu_rank():
+    """The measured outcome: a 64 MiB block allocated again after a free page-faults in afresh (16,384 pages) by
+    default, and hardly at all once malloc_note has run."""
+    import platform
+    import subprocess
+
+    if platform.libc_ver()[0] != "glibc":
+        assert rt.malloc_note({}) is None  # not glibc's malloc: left alone
+        return
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "LD_PRELOAD"}
+    runs = {how: subprocess.run([sys.executable, "-c", _REFAULTS, how], capture_output=True, text=True, env=env,
+                                check=True).stdout.splitlines() for how in ("default", "kept")}
+    assert runs["default"][0] == "None" and int(runs["default"][1]) > 8000
+    assert "freed blocks up to 1 GiB are kept" in runs["kept"][0] and int(runs["kept"][1]) < 1000
+
+
+def test_an_explicit_allocator_choice_is_left_as_it_is():
+    assert rt.malloc_note({"MALLOC_MMAP_THRESHOLD_": "131072"}) is None
+    assert rt.malloc_note({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}) is None
+    assert rt.malloc_note({"LD_PRELOAD": "/usr/lib/libtcmalloc_minimal.so.4"}) is None
+
+
 def test_the_op_build_dir_is_per_environment(tmp_path):
     a = rt.extensions_dir({"XDG_CACHE_HOME": "/c"}, "/envs/a/.venv")
     b = rt.extensions_dir({"XDG_CACHE_HOME": "/c"}, "/envs/b/.venv")
@@ -1639,7 +1676,7 @@ def test_compiled_ranks_swap_every_reduction_for_the_ordered_functional_op():
     graph.call_function(deepspeed_reduce, (b,))
     c = graph.call_function(fallback, (b, w, x))
     graph.output(c)
-    assert rt.swap_ops(graph) == {"all_reduce": 2, "grouped_mm": 1}
+    assert rt.swap_ops(graph) == {"all_reduce": 2, "grouped_mm": 1, "take_rows": 0}
     graph.lint()
     reductions = [n for n in graph.nodes if n.target is torch.ops.codegen.tp_all_reduce.default]
     # each after the one before it: inductor cannot reorder them, so every rank issues them in one order
@@ -1650,6 +1687,32 @@ def test_compiled_ranks_swap_every_reduction_for_the_ordered_functional_op():
     assert c.target is torch.ops.codegen.grouped_mm.default
     assert rt.graph_collectives(graph) == (2, 0)
     assert not any(n.target in (deepspeed_reduce, fallback) for n in graph.nodes)
+
+
+def test_compiled_ranks_gather_whole_rows_with_index_select():
+    """`x[index]` with a 1-D integer index becomes `codegen::take_rows` (inductor fused the experts' unsort with
+    their sum into a loop gathering element by element); a mask, a 2-D index or a slice stays as it is."""
+    import operator
+
+    rt.register_ops()
+    rows, index, mask, pairs = torch.randn(6, 4), torch.tensor([5, 0, 3]), torch.rand(6) > 0.5, torch.zeros(2, 2,
+                                                                                                           dtype=int)
+    graph = torch.fx.Graph()
+    nodes = {}
+    for name, value in (("rows", rows), ("index", index), ("mask", mask), ("pairs", pairs)):
+        nodes[name] = graph.placeholder(name)
+        nodes[name].meta["example_value"] = value
+    gathered = graph.call_function(operator.getitem, (nodes["rows"], nodes["index"]))
+    masked = graph.call_function(operator.getitem, (nodes["rows"], nodes["mask"]))
+    paired = graph.call_function(operator.getitem, (nodes["rows"], nodes["pairs"]))
+    sliced = graph.call_function(operator.getitem, (nodes["rows"], slice(0, 2)))
+    graph.output((gathered, masked, paired, sliced))
+    assert rt.swap_ops(graph) == {"all_reduce": 0, "grouped_mm": 0, "take_rows": 1}
+    assert gathered.target is torch.ops.codegen.take_rows.default
+    assert all(n.target is operator.getitem for n in (masked, paired, sliced))
+    module = torch.fx.GraphModule(torch.nn.Module(), graph)
+    got = module(rows, index, mask, pairs)
+    assert torch.equal(got[0], rows[index]) and torch.equal(got[1], rows[mask])
 
 
 def test_the_compiled_reduction_is_never_dead_code():

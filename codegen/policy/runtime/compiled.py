@@ -20,6 +20,7 @@ all of its reductions inside its graph.
 """
 
 import functools
+import operator
 import sys
 import types
 
@@ -32,6 +33,8 @@ from codegen.policy.runtime.kernel import experts_grouped_mm
 TP_ALL_REDUCE = "codegen::tp_all_reduce"
 #: the grouped matmul transformers' float32 fallback becomes
 GROUPED_MM = "codegen::grouped_mm"
+#: what a row gather `x[index]` becomes
+TAKE_ROWS = "codegen::take_rows"
 #: the ops `swap_ops` replaces, by their name in a captured graph
 _DEEPSPEED_IN_PLACE = "deepspeed.inference_all_reduce_"
 _TRANSFORMERS_FALLBACK = "transformers.grouped_mm_fallback"
@@ -80,6 +83,15 @@ def register_ops():
     def _(input, weight, offs):
         return input.new_empty(input.shape[0], weight.shape[-1])
 
+    @torch.library.custom_op(TAKE_ROWS, mutates_args=())
+    def take_rows(input: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """`input[index]` for a 1-D integer index: whole rows copied (torch's `index_select`)."""
+        return input.index_select(0, index)
+
+    @take_rows.register_fake
+    def _(input, index):
+        return input.new_empty(index.shape[0], *input.shape[1:])
+
 
 def swap_ops(graph):
     """Replace, in one captured FX graph, DeepSpeed's in-place all-reduce and transformers' grouped-matmul fallback
@@ -88,7 +100,7 @@ def swap_ops(graph):
     Each reduction takes the one before it as an argument it does not read: the ranks must issue them in the same
     order, and without a data dependence inductor may reorder them (a rank whose LM-head shard is empty under
     DeepSpeed's grain split at small widths has a last reduction that depends on nothing, and ran it first)."""
-    swapped = {"all_reduce": 0, "grouped_mm": 0}
+    swapped = {"all_reduce": 0, "grouped_mm": 0, "take_rows": 0}
     previous = None
     for node in list(graph.nodes):
         if node.op != "call_function":
@@ -107,7 +119,21 @@ def swap_ops(graph):
         elif name.startswith(_TRANSFORMERS_FALLBACK):
             node.target = torch.ops.codegen.grouped_mm.default
             swapped["grouped_mm"] += 1
+        elif node.target is operator.getitem and _gathers_rows(node):
+            node.target = torch.ops.codegen.take_rows.default
+            swapped["take_rows"] += 1
     return swapped
+
+
+def _gathers_rows(node):
+    """`x[index]` with `index` a 1-D integer tensor (the fused experts' sort and unsort of their rows)."""
+    if len(node.args) != 2 or not all(isinstance(a, torch.fx.Node) for a in node.args):
+        return False
+    values = [a.meta.get("example_value") for a in node.args]
+    if not all(isinstance(v, torch.Tensor) for v in values):
+        return False
+    source, index = values
+    return source.dim() >= 1 and index.dim() == 1 and index.dtype in (torch.int64, torch.int32)
 
 
 def graph_collectives(graph):

@@ -18,7 +18,8 @@ from codegen.policy.runtime.base import PATCH_MARKER, REDUCER_ATTR, SUPPORTED_DE
     expert_paths
 from codegen.policy.runtime.compiled import compile_forward
 from codegen.policy.runtime.experts import row_layer_policy, shard_experts
-from codegen.policy.runtime.environment import destroy_group_at_exit, launcher_notes, local_ranks, thread_note
+from codegen.policy.runtime.environment import (destroy_group_at_exit, launcher_notes, local_ranks, malloc_note,
+                                                thread_note)
 from codegen.policy.runtime.groups import CoalescedAllReduce, TensorParallelGroups, route_inference_reductions
 from codegen.policy.runtime.linear_attention import (detach_linear_attention, linear_attention_modules,
                                                      shard_linear_attention)
@@ -136,6 +137,8 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
     keep_whole(whole, engine.module, deepspeed_kwargs["dtype"])
     if world > 1:
         keep_in_lockstep(engine.module, dist, group, _device_of(engine.module))
+    if _device_of(engine.module).type == "cpu":
+        notes.append(malloc_note())
     say(dist.get_rank(), notes)
     return engine
 
