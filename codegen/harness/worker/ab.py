@@ -228,8 +228,9 @@ def measure_ab(run: Run, job: dict, opts: dict, ids, ref: Reference) -> dict:
     gc.collect()
     for mode, crash in crashes.items():
         record[mode] = {"mode": mode, "crashed": crash}
-    return {**record, "num_layers": num_layers, "full_bytes": ref.bytes, "batch": int(ids.shape[0]), "prompt_len": int(ids.shape[1]),
-            "dtype": run.dtype_name, "rss_peak_bytes": rss_peak(), "limits": run.limits,
+    return {**record, "num_layers": num_layers, "full_bytes": ref.bytes, "batch": int(ids.shape[0]),
+            "prompt_len": int(ids.shape[1]), "dtype": run.dtype_name, "rss_peak_bytes": rss_peak(),
+            "limits": run.limits,
             "reference": {"prefill_s": ref.prefill_s, "decode_s": ref.decode_s[warmup:],
                           "baseline": ref.baseline}}
 
