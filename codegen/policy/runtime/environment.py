@@ -23,7 +23,8 @@ import sys
 #: the variables a torchrun / DeepSpeed launcher gives every rank
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 #: glibc's `mallopt` parameters (malloc.h)
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
 #: blocks up to this size are taken from the heap and go back to it when freed, and up to this much free memory
 #: stays at its top
 KEPT_BLOCK_BYTES = 1 << 30

@@ -37,7 +37,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'granitemoe', 'moe_classes': ['GraniteMoeMoE'], 'experts': '', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'input_linear.weight', 'down': 'output_linear.weight', 'size_attr': '', 'gate_up_bias': '', 'down_bias': ''}, 'shared': [], 'routers': ['router'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['block_sparse_moe'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'intermediate_size'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_granitemoe'
-RUNTIME_SHA256 = '7cd52140398fed18739f0bf3fe2906bfa80afcd52f89eb1c69fbfc283e0f29ae'
+RUNTIME_SHA256 = '42ca676d5995a042fe7bb386b543ac278c76525529a2938de2bd443443ccf0d3'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -244,7 +244,8 @@ import sys
 #: the variables a torchrun / DeepSpeed launcher gives every rank
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 #: glibc's `mallopt` parameters (malloc.h)
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
 #: blocks up to this size are taken from the heap and go back to it when freed, and up to this much free memory
 #: stays at its top
 KEPT_BLOCK_BYTES = 1 << 30
