@@ -39,7 +39,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'solar_open', 'moe_classes': ['SolarOpenMoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': ''}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_solar_open'
-RUNTIME_SHA256 = '42ca676d5995a042fe7bb386b543ac278c76525529a2938de2bd443443ccf0d3'
+RUNTIME_SHA256 = '5f18d476efb0e7dfa071831c78cca3496971e2dc8dde85d76ed5d2b2d8d48243'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -348,7 +348,7 @@ def thread_note(torch, ranks, env=None):
             f"{usable_cores()} cores (set OMP_NUM_THREADS to choose)")
 
 
-def malloc_note(env=None, libc=None):
+def malloc_note(env=None):
     """Keep freed blocks up to KEPT_BLOCK_BYTES for reuse (glibc's `mallopt`) on a CPU rank; the note, or None.
 
     glibc maps every block over its mmap threshold (at most 32 MiB) afresh and unmaps it when freed, so each forward
@@ -364,7 +364,7 @@ def malloc_note(env=None, libc=None):
     if any(name in env.get("LD_PRELOAD", "") for name in OTHER_ALLOCATORS) or platform.libc_ver()[0] != "glibc":
         return None
     try:
-        mallopt = (ctypes.CDLL("libc.so.6") if libc is None else libc).mallopt
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
         return None
     if mallopt(M_MMAP_THRESHOLD, KEPT_BLOCK_BYTES) != 1 or mallopt(M_TRIM_THRESHOLD, KEPT_BLOCK_BYTES) != 1:

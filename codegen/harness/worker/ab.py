@@ -99,7 +99,7 @@ def measure_ab(run: Run, job: dict, opts: dict, ids, ref: Reference) -> dict:
             routing[mode], blocks[mode], inside[mode] = RoutingRecorder(model), groups["moe"], nested_in_blocks(groups)
         record[mode]["inventory"] = inventory(model)
         figures = param_bytes(model)
-        record[mode].update(bytes=figures, moe_blocks=len(moe_blocks(model)))
+        record[mode].update(bytes=figures, moe_blocks=len(blocks[mode] or moe_blocks(model)))
         full = ref.bytes["experts"] * torch.empty((), dtype=run.dtype).element_size() // 4  # ref: float32
         if run.tp > 1 and figures["experts"] and figures["experts"] >= full:
             record[mode]["note"] = "experts not sharded (every rank holds all routed experts)"

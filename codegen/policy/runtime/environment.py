@@ -125,7 +125,7 @@ def thread_note(torch, ranks, env=None):
             f"{usable_cores()} cores (set OMP_NUM_THREADS to choose)")
 
 
-def malloc_note(env=None, libc=None):
+def malloc_note(env=None):
     """Keep freed blocks up to KEPT_BLOCK_BYTES for reuse (glibc's `mallopt`) on a CPU rank; the note, or None.
 
     glibc maps every block over its mmap threshold (at most 32 MiB) afresh and unmaps it when freed, so each forward
@@ -141,7 +141,7 @@ def malloc_note(env=None, libc=None):
     if any(name in env.get("LD_PRELOAD", "") for name in OTHER_ALLOCATORS) or platform.libc_ver()[0] != "glibc":
         return None
     try:
-        mallopt = (ctypes.CDLL("libc.so.6") if libc is None else libc).mallopt
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
         return None
     if mallopt(M_MMAP_THRESHOLD, KEPT_BLOCK_BYTES) != 1 or mallopt(M_TRIM_THRESHOLD, KEPT_BLOCK_BYTES) != 1:
