@@ -1676,7 +1676,7 @@ def test_compiled_ranks_swap_every_reduction_for_the_ordered_functional_op():
     graph.call_function(deepspeed_reduce, (b,))
     c = graph.call_function(fallback, (b, w, x))
     graph.output(c)
-    assert rt.swap_ops(graph) == {"all_reduce": 2, "grouped_mm": 1, "take_rows": 0}
+    assert rt.swap_ops(graph) == {"all_reduce": 2, "grouped_mm": 1, "take_rows": 0, "matmul_folded": 0}
     graph.lint()
     reductions = [n for n in graph.nodes if n.target is torch.ops.codegen.tp_all_reduce.default]
     # each after the one before it: inductor cannot reorder them, so every rank issues them in one order
@@ -1707,12 +1707,43 @@ def test_compiled_ranks_gather_whole_rows_with_index_select():
     paired = graph.call_function(operator.getitem, (nodes["rows"], nodes["pairs"]))
     sliced = graph.call_function(operator.getitem, (nodes["rows"], slice(0, 2)))
     graph.output((gathered, masked, paired, sliced))
-    assert rt.swap_ops(graph) == {"all_reduce": 0, "grouped_mm": 0, "take_rows": 1}
+    assert rt.swap_ops(graph) == {"all_reduce": 0, "grouped_mm": 0, "take_rows": 1, "matmul_folded": 0}
     assert gathered.target is torch.ops.codegen.take_rows.default
     assert all(n.target is operator.getitem for n in (masked, paired, sliced))
     module = torch.fx.GraphModule(torch.nn.Module(), graph)
     got = module(rows, index, mask, pairs)
     assert torch.equal(got[0], rows[index]) and torch.equal(got[1], rows[mask])
+
+
+def test_compiled_ranks_take_strided_rows_contiguous_before_a_matmul_by_a_matrix():
+    """DeepSpeed's LM-head shard `x[..., shard] @ W.T`: its rows cannot be viewed as one matrix, so torch's matmul
+    batches 1-row products, which inductor's CPU lowering runs as a loop reading W once per row. The rows are taken
+    contiguous first; rows that are already a matrix, and batched matrices, are left as they are."""
+    import operator
+
+    rt.register_ops()
+    hidden, weight, batched = torch.randn(3, 1, 8), torch.randn(5, 4), torch.randn(3, 2, 4)
+    graph = torch.fx.Graph()
+    nodes = {}
+    for name, value in (("hidden", hidden), ("weight", weight), ("batched", batched)):
+        nodes[name] = graph.placeholder(name)
+        nodes[name].meta["example_value"] = value
+    shard = graph.call_function(operator.getitem, (nodes["hidden"], (slice(None), slice(None), slice(4, 8))))
+    shard.meta["example_value"] = hidden[:, :, 4:8]
+    transposed = graph.call_method("t", (nodes["weight"],))
+    transposed.meta["example_value"] = weight.t()
+    head = graph.call_function(torch.matmul, (shard, transposed))
+    whole = graph.call_function(operator.matmul, (shard, transposed))
+    dense = graph.call_function(torch.matmul, (nodes["batched"], transposed))  # contiguous rows: one matrix already
+    graph.output((head, whole, dense))
+    assert rt.swap_ops(graph) == {"all_reduce": 0, "grouped_mm": 0, "take_rows": 0, "matmul_folded": 2}
+    graph.lint()
+    for node in (head, whole):
+        assert node.args[0].op == "call_method" and node.args[0].target == "contiguous"
+        assert node.args[0].args == (shard,)
+    assert dense.args == (nodes["batched"], transposed)
+    got = torch.fx.GraphModule(torch.nn.Module(), graph)(hidden, weight, batched)
+    assert torch.equal(got[0], hidden[:, :, 4:8] @ weight.t()) and torch.equal(got[1], got[0])
 
 
 def test_the_compiled_reduction_is_never_dead_code():
