@@ -449,6 +449,15 @@ def test_merge_joins_a_peer_record_to_the_rows_it_ran_beside(tmp_path):
     assert "memory read " in apart["peers"][0]["not_joined"] or "only one of the two" in apart["peers"][0]["not_joined"]
     assert "the machine's limits differ: memory read" in markdown(peer_record("peer-vllm-z.json",
                                                                               machine_limits=slower))
+    # beside a record of another CPU as well (merged first), the reason is still the one of its own CPU's record
+    elsewhere = tmp_path / "bench-elsewhere.json"
+    elsewhere.write_text(json.dumps({**bench, "machine": {**machine, "cpu": "another CPU"}}))
+    (tmp_path / "peer-vllm-w.json").write_text(json.dumps({"peer": PEER, "peer_version": "0.32.0", "rows": peer_rows,
+                                                           "machine": machine, "machine_limits": slower,
+                                                           "dtype": "float32", "settings": bench["settings"],
+                                                           "wall_s": 60.0}))
+    both = merge([elsewhere, latest, tmp_path / "peer-vllm-w.json"])
+    assert both["peers"][0]["not_joined"].startswith("the machine's limits differ: memory read")
     table = markdown(merged)
     assert "b/v decode, e2e" in table and " / crash |" in table and "joined to the bench rows above" in table
     b = rows[0]["codegen"]["decode"]["median"]

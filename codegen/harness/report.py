@@ -421,7 +421,9 @@ def merge(paths: list[Path]) -> dict:
                   and (r["settings"]["size"], r["dtype"]) in kinds]
         verdicts = [(r, _not_comparable(r, peer)) for r in latest]
         comparable = [r for r, why in verdicts if not why]
-        why_not = next((why for _, why in verdicts if why), "no bench record of its run")
+        # the reason of a record on the peer's own CPU first: that it differs from other CPUs' records says nothing
+        reasons = sorted((not _same_machine(r, peer), why) for r, why in verdicts if why)
+        why_not = reasons[0][1] if reasons else "no bench record of its run"
         for peer_row in peer["rows"]:
             for rec in comparable:
                 for row in rec["rows"]:
