@@ -149,8 +149,8 @@ def _gathers_rows(node):
 def _strided_rows_by_matrix(node):
     """`a @ w`, `a` a batch of rows (3-D or more) whose rows cannot be viewed as one matrix, `w` a matrix: torch's
     matmul turns it into a batched matmul of 1-row matrices, and inductor lowers that, on CPU, to a loop that reads
-    `w` once per batch row (measured: 2.0-2.6 ms per decode step of a toy batch 16 for the LM head, against 1.0 ms
-    for one matmul of the rows taken contiguous)."""
+    `w` once per batch row (measured on its own, a toy LM-head shard of 4096x256 at batch 16: 1.9-2.0 ms, against
+    1.2 ms for one matmul of the rows taken contiguous)."""
     if len(node.args) != 2 or node.kwargs or not all(isinstance(a, torch.fx.Node) for a in node.args):
         return False
     rows, matrix = (a.meta.get("example_value") for a in node.args)
