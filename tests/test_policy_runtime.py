@@ -1718,7 +1718,7 @@ def test_compiled_ranks_gather_whole_rows_with_index_select():
 def test_compiled_ranks_take_strided_rows_contiguous_before_a_matmul_by_a_matrix():
     """DeepSpeed's LM-head shard `x[..., shard] @ W.T`: its rows cannot be viewed as one matrix, so torch's matmul
     batches 1-row products, which inductor's CPU lowering runs as a loop reading W once per row. The rows are taken
-    contiguous first; rows that are already a matrix, and batched matrices, are left as they are."""
+    contiguous first; rows that are already contiguous are left as they are."""
     import operator
 
     rt.register_ops()

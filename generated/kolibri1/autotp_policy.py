@@ -39,7 +39,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'kolibri1', 'moe_classes': ['Kolibri1SparseMoeBlock'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': ''}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'shared_expert_intermediate_size'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_kolibri1'
-RUNTIME_SHA256 = '21d06bd4bdac8ebf79f7f30339f6f41e750992a17890a5a7fd6dd9c12ed7a3a1'
+RUNTIME_SHA256 = '7511622455fae4b1b996674dde4191f005e579ea2f133c5177d9856970072957'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -1866,10 +1866,8 @@ def swap_ops(graph):
 
 def _gathers_rows(node):
     """`x[index]` with `index` a 1-D integer tensor (the fused experts' sort and unsort of their rows)."""
-    if len(node.args) != 2 or not all(isinstance(a, torch.fx.Node) for a in node.args):
-        return False
-    values = [a.meta.get("example_value") for a in node.args]
-    if not all(isinstance(v, torch.Tensor) for v in values):
+    values = _two_tensor_args(node)
+    if values is None:
         return False
     source, index = values
     return source.dim() >= 1 and index.dim() == 1 and index.dtype in (torch.int64, torch.int32)
@@ -1880,12 +1878,19 @@ def _strided_rows_by_matrix(node):
     matmul turns it into a batched matmul of 1-row matrices, and inductor lowers that, on CPU, to a loop that reads
     `w` once per batch row (measured on its own, a toy LM-head shard of 4096x256 at batch 16: 1.9-2.0 ms, against
     1.2 ms for one matmul of the rows taken contiguous)."""
-    if len(node.args) != 2 or node.kwargs or not all(isinstance(a, torch.fx.Node) for a in node.args):
+    values = None if node.kwargs else _two_tensor_args(node)
+    if values is None:
         return False
-    rows, matrix = (a.meta.get("example_value") for a in node.args)
-    if not (isinstance(rows, torch.Tensor) and isinstance(matrix, torch.Tensor)):
-        return False
+    rows, matrix = values
     return rows.dim() >= 3 and matrix.dim() == 2 and not rows.is_contiguous()
+
+
+def _two_tensor_args(node):
+    """The example tensors of a node's two positional arguments, both graph values (None otherwise)."""
+    if len(node.args) != 2 or not all(isinstance(a, torch.fx.Node) for a in node.args):
+        return None
+    values = tuple(a.meta.get("example_value") for a in node.args)
+    return values if all(isinstance(v, torch.Tensor) for v in values) else None
 
 
 def graph_collectives(graph):

@@ -137,10 +137,8 @@ def swap_ops(graph):
 
 def _gathers_rows(node):
     """`x[index]` with `index` a 1-D integer tensor (the fused experts' sort and unsort of their rows)."""
-    if len(node.args) != 2 or not all(isinstance(a, torch.fx.Node) for a in node.args):
-        return False
-    values = [a.meta.get("example_value") for a in node.args]
-    if not all(isinstance(v, torch.Tensor) for v in values):
+    values = _two_tensor_args(node)
+    if values is None:
         return False
     source, index = values
     return source.dim() >= 1 and index.dim() == 1 and index.dtype in (torch.int64, torch.int32)
@@ -151,12 +149,19 @@ def _strided_rows_by_matrix(node):
     matmul turns it into a batched matmul of 1-row matrices, and inductor lowers that, on CPU, to a loop that reads
     `w` once per batch row (measured on its own, a toy LM-head shard of 4096x256 at batch 16: 1.9-2.0 ms, against
     1.2 ms for one matmul of the rows taken contiguous)."""
-    if len(node.args) != 2 or node.kwargs or not all(isinstance(a, torch.fx.Node) for a in node.args):
+    values = None if node.kwargs else _two_tensor_args(node)
+    if values is None:
         return False
-    rows, matrix = (a.meta.get("example_value") for a in node.args)
-    if not (isinstance(rows, torch.Tensor) and isinstance(matrix, torch.Tensor)):
-        return False
+    rows, matrix = values
     return rows.dim() >= 3 and matrix.dim() == 2 and not rows.is_contiguous()
+
+
+def _two_tensor_args(node):
+    """The example tensors of a node's two positional arguments, both graph values (None otherwise)."""
+    if len(node.args) != 2 or not all(isinstance(a, torch.fx.Node) for a in node.args):
+        return None
+    values = tuple(a.meta.get("example_value") for a in node.args)
+    return values if all(isinstance(v, torch.Tensor) for v in values) else None
 
 
 def graph_collectives(graph):
