@@ -1715,6 +1715,36 @@ def test_compiled_ranks_gather_whole_rows_with_index_select():
     assert torch.equal(got[0], rows[index]) and torch.equal(got[1], rows[mask])
 
 
+def test_compiled_ranks_run_torchs_cpu_grouped_matmul_on_the_experts_kernel():
+    """transformers' bfloat16 grouped matmul calls `torch._grouped_mm`, whose CPU kernel runs a matmul per expert,
+    empty ones included: on CPU it becomes `codegen::grouped_mm`; with a bias or another output dtype it stays."""
+    rt.register_ops()
+    torch.manual_seed(0)
+    rows = torch.randn(6, 16, dtype=torch.bfloat16)
+    weight = torch.randn(4, 16, 32, dtype=torch.bfloat16)
+    ends = torch.tensor([2, 2, 5, 6], dtype=torch.int32)
+    graph = torch.fx.Graph()
+    nodes = {}
+    for name, value in (("rows", rows), ("weight", weight), ("ends", ends)):
+        nodes[name] = graph.placeholder(name)
+        nodes[name].meta["example_value"] = value
+    grouped = graph.call_function(torch._grouped_mm, (nodes["rows"], nodes["weight"]),
+                                  {"offs": nodes["ends"], "bias": None, "out_dtype": None})
+    to_float = graph.call_function(torch._grouped_mm, (nodes["rows"], nodes["weight"]),
+                                   {"offs": nodes["ends"], "out_dtype": torch.float32})
+    output = graph.output((grouped, to_float))
+    assert rt.swap_ops(graph) == {"all_reduce": 0, "grouped_mm": 1, "take_rows": 0, "matmul_folded": 0}
+    graph.lint()
+    assert grouped.target is torch.ops.codegen.grouped_mm.default and grouped.kwargs == {"offs": nodes["ends"]}
+    assert to_float.target is torch._grouped_mm
+    output.args = ((grouped,),)  # torch's CPU kernel has no other output dtype: only the swapped one is run
+    graph.erase_node(to_float)
+    got = torch.fx.GraphModule(torch.nn.Module(), graph)(rows, weight, ends)[0]
+    want = torch._grouped_mm(rows, weight, offs=ends)
+    assert got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), want.float(), atol=1e-2, rtol=2 ** -7)
+
+
 def test_compiled_ranks_take_strided_rows_contiguous_before_a_matmul_by_a_matrix():
     """DeepSpeed's LM-head shard `x[..., shard] @ W.T`: its rows cannot be viewed as one matrix, so torch's matmul
     batches 1-row products, which inductor's CPU lowering runs as a loop reading W once per row. The rows are taken
@@ -1784,13 +1814,17 @@ def _grouped_reference(rows, weight, ends):
 @pytest.mark.parametrize("layout", ["rows", "columns"])
 @pytest.mark.parametrize("offs_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_the_experts_kernel_is_torchs_matmul_per_expert(layout, offs_dtype, threads):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_experts_kernel_is_torchs_matmul_per_expert(layout, offs_dtype, threads, dtype):
     """Groups of 1..16 rows go to the C kernel, larger ones (prefill) to torch, empty experts are skipped and the
     padding rows past the last group are 0, in both weight layouts transformers passes (gpt-oss's row-major
-    experts, and the transposed view of the (E, out, in) ones)."""
+    experts, and the transposed view of the (E, out, in) ones), float32 and bfloat16 (summed in float32 and
+    rounded once, as torch's bfloat16 matmul does: within one bfloat16 step of the float32 product)."""
     assert rt.grouped_mm_kernel() is not None, "the kernel did not build on this machine"
     torch.manual_seed(0)
-    experts, width, out = 6, 40, 300  # 300 columns: more than one column block of the kernel
+    # 300 columns: more than one column block of the kernel; 42 inputs: not a multiple of the 4 weight rows (or the
+    # vector widths) the kernel takes at a time, so its tails run too
+    experts, width, out = 6, 42, 300
     counts = torch.tensor([1, 0, 16, 17, 3, 0])
     ends = counts.cumsum(0).to(offs_dtype)
     rows = torch.randn(int(counts.sum()) + 2, width)  # 2 padding rows
@@ -1798,15 +1832,20 @@ def test_the_experts_kernel_is_torchs_matmul_per_expert(layout, offs_dtype, thre
         weight = torch.randn(experts, width, out)
     else:
         weight = torch.randn(experts, out, width).transpose(1, 2)
+    rows, weight = rows.to(dtype), weight.to(dtype)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         got = rt.experts_grouped_mm(rows, weight, ends)
     finally:
         torch.set_num_threads(before)
-    want = _grouped_reference(rows, weight, ends)
-    assert torch.allclose(got, want, atol=1e-4, rtol=1e-5), (got - want).abs().max()
-    assert torch.equal(got[-2:], torch.zeros(2, out))
+    assert got.dtype == dtype
+    want = _grouped_reference(rows.float(), weight.float(), ends)
+    if dtype == torch.float32:
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-5), (got - want).abs().max()
+    else:
+        assert torch.equal(got, want.to(dtype)) or torch.allclose(got.float(), want, atol=1e-3, rtol=2 ** -8)
+    assert torch.equal(got[-2:], torch.zeros(2, out, dtype=dtype))
 
 
 def test_offsets_past_the_rows_are_left_to_torch_not_read_by_the_kernel():

@@ -11,7 +11,8 @@ updates: thousands of small eager ops fused), but two ops the eager model issues
 - transformers 5.x's grouped matmul of fused experts outside bfloat16 (`transformers::grouped_mm_fallback`, one
   matmul per expert from Python, because `torch._grouped_mm` has no float32 fake kernel): it becomes
   `codegen::grouped_mm`, which visits only the experts that have rows (torch's CPU `_grouped_mm`, which the eager
-  model runs, visits every expert), a decode step's all in one C loop (codegen.policy.runtime.kernel).
+  model runs, visits every expert), a decode step's all in one C loop (codegen.policy.runtime.kernel). In bfloat16
+  on CPU, transformers' `torch._grouped_mm` becomes the same op (the kernel reads bfloat16 weights as they are).
 
 Two more are rewritten where inductor's CPU lowering of them is slow: a row gather `x[index]` becomes
 `codegen::take_rows`, and a matmul of a batch of strided rows by a matrix (DeepSpeed's LM-head shard,
@@ -35,7 +36,7 @@ from codegen.policy.runtime.kernel import experts_grouped_mm
 
 #: the functional all-reduce every reduction of a compiled rank becomes
 TP_ALL_REDUCE = "codegen::tp_all_reduce"
-#: the grouped matmul transformers' float32 fallback becomes
+#: the grouped matmul transformers' float32 fallback, and torch's CPU `_grouped_mm` in bfloat16, become
 GROUPED_MM = "codegen::grouped_mm"
 #: what a row gather `x[index]` becomes
 TAKE_ROWS = "codegen::take_rows"
@@ -124,6 +125,9 @@ def swap_ops(graph):
         elif name.startswith(_TRANSFORMERS_FALLBACK):
             node.target = torch.ops.codegen.grouped_mm.default
             swapped["grouped_mm"] += 1
+        elif node.target is torch._grouped_mm and _grouped_on_cpu(node):
+            node.target, node.kwargs = torch.ops.codegen.grouped_mm.default, {"offs": node.kwargs["offs"]}
+            swapped["grouped_mm"] += 1
         elif node.target is operator.getitem and _gathers_rows(node):
             node.target = torch.ops.codegen.take_rows.default
             swapped["take_rows"] += 1
@@ -142,6 +146,20 @@ def _gathers_rows(node):
         return False
     source, index = values
     return source.dim() >= 1 and index.dim() == 1 and index.dtype in (torch.int64, torch.int32)
+
+
+def _grouped_on_cpu(node):
+    """`torch._grouped_mm(rows, experts, offs=ends)` on CPU (transformers' grouped matmul in bfloat16), no bias nor
+    other output dtype: torch's CPU kernel runs a matmul per expert, empty ones included (a decode step routes a
+    token to 8 of 128), where `codegen::grouped_mm` reads the bfloat16 experts that have rows in one C loop."""
+    values, kwargs = _two_tensor_args(node), node.kwargs
+    if values is None or not isinstance(kwargs.get("offs"), torch.fx.Node):
+        return False
+    if set(kwargs) - {"offs", "bias", "out_dtype"}:
+        return False
+    rows, experts = values
+    return (kwargs.get("bias") is None and kwargs.get("out_dtype") in (None, rows.dtype) and rows.dim() == 2
+            and experts.dim() == 3 and rows.device.type == experts.device.type == "cpu")
 
 
 def _strided_rows_by_matrix(node):
