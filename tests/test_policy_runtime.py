@@ -1717,7 +1717,7 @@ def test_compiled_ranks_gather_whole_rows_with_index_select():
 
 def test_compiled_ranks_run_torchs_cpu_grouped_matmul_on_the_experts_kernel():
     """transformers' bfloat16 grouped matmul calls `torch._grouped_mm`, whose CPU kernel runs a matmul per expert,
-    empty ones included: on CPU it becomes `codegen::grouped_mm`; with a bias or another output dtype it stays."""
+    empty ones included: on CPU it becomes `codegen::grouped_mm`; with another output dtype it stays."""
     rt.register_ops()
     torch.manual_seed(0)
     rows = torch.randn(6, 16, dtype=torch.bfloat16)
