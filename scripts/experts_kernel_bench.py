@@ -18,6 +18,7 @@ import time
 import torch
 
 from codegen.harness.examples import families_with, shape
+from codegen.harness.results import machine_info
 from codegen.policy.runtime.kernel import experts_grouped_mm
 
 #: the batches the bench decodes, the dtypes, the ranks a shard is cut for, trials per figure (best kept)
@@ -61,15 +62,12 @@ def routed(experts: int, top: int, batch: int, generator) -> tuple[torch.Tensor,
 
 
 def torch_grouped(rows, weight, ends):
-    """What the model runs without codegen's op."""
+    """What the model runs without codegen's op: transformers' own float32 fallback, torch's bfloat16 kernel."""
     if weight.dtype == torch.bfloat16:
         return torch._grouped_mm(rows, weight, offs=ends)
-    out, start = rows.new_zeros(rows.shape[0], weight.shape[-1]), 0
-    for expert, end in enumerate(ends.tolist()):
-        if end > start:
-            torch.mm(rows[start:end], weight[expert], out=out[start:end])
-        start = end
-    return out
+    from transformers.integrations.moe import _grouped_mm_fallback
+
+    return _grouped_mm_fallback(rows, weight, ends)
 
 
 def best_ms(layer) -> float:
@@ -104,21 +102,14 @@ def measure(family: str, generator) -> list[dict]:
     return rows_out
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "")
-    except OSError:
-        return ""
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="also write the rows as JSON")
     args = parser.parse_args()
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(SEED)
-    print(f"{cpu_name() or 'CPU'}, torch {torch.__version__}, 1 thread, TP={TP} shards; ms per MoE layer (gate/up + "
+    cpu = machine_info("cpu")["cpu"]
+    print(f"{cpu}, torch {torch.__version__}, 1 thread, TP={TP} shards; ms per MoE layer (gate/up + "
           "down), GB/s of the weights hit")
     print(f"{'family':16} {'weights':17} {'dtype':9} {'batch':>5} {'hit':>8} {'codegen ms':>10} {'GB/s':>5} "
           f"{'torch ms':>9} {'GB/s':>5} {'torch/codegen':>13}")
@@ -132,7 +123,7 @@ def main() -> int:
                   f"{ms['torch']:>9.2f} {gbs['torch']:>5.1f} {ms['torch'] / ms['codegen']:>12.2f}x", flush=True)
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"cpu": cpu_name(), "torch": torch.__version__, "threads": 1, "tp": TP, "rows": rows}, handle,
+            json.dump({"cpu": cpu, "torch": torch.__version__, "threads": 1, "tp": TP, "rows": rows}, handle,
                       indent=2)
     return 0
 
