@@ -1312,7 +1312,50 @@ def test_lockstep_raises_on_every_rank_where_inputs_or_tokens_differ():
     same.share_random_state()
     other = rt.Lockstep(GatheringDist(lambda t: t + 1), None, torch.device("cpu"))
     with pytest.raises(rt.PolicyError) as info:
-        other.check_same(torch.tensor([5]), "chose different tokens while generating")
+        other.check_same(torch.tensor([5]), "were given different inputs to generate")
+    assert _one_line(info).startswith("the ranks of a tensor-parallel group were given different inputs to generate")
+
+
+def _summed_digits(per_rank):
+    return sum(rt.token_digits(torch.tensor(tokens)) for tokens in per_rank)
+
+
+@pytest.mark.parametrize("per_rank, agree", [
+    ([[5, 17], [5, 17]], True),
+    ([[0, 2**40 + 3, 151_935]] * 7, True),
+    ([[5, 17], [5, 18]], False),
+    ([[1, 3], [3, 1]], False),  # the same multiset of tokens, at other rows
+    ([[2], [0], [1]], False),  # the same sum over ranks as [1] three times
+    ([[2], [0], [1], [1]], False),
+    ([[-1], [-1]], True),  # a pad id below zero: its bytes, two's complement
+    ([[7]] * 257 + [[6]], False),  # one rank of 258 off by one
+])
+def test_the_step_token_check_is_exact_from_summed_digits(per_rank, agree):
+    assert rt.digits_agree(_summed_digits(per_rank), len(per_rank)) is agree
+
+
+def test_the_step_tokens_are_read_whatever_their_strides():
+    step = torch.tensor([[4, 9, 300]]).expand(1, 3)[:, -1]  # generate's input_ids[:, -1] at batch 1: stride 3
+    assert torch.equal(rt.token_digits(step), rt.token_digits(torch.tensor([300])))
+
+
+def test_the_step_token_check_rides_on_the_groups_inference_all_reduce():
+    class SummingDist(FakeDist):
+        """Two ranks through the inference all-reduce; the other rank chose `peer` (or the same tokens)."""
+
+        def __init__(self, peer=None):
+            super().__init__(world=2, rank=0)
+            self.peer = peer
+
+        def inference_all_reduce(self, tensor, group=None):
+            super().inference_all_reduce(tensor, group)
+            tensor.add_(tensor.clone() if self.peer is None else rt.token_digits(self.peer))
+
+    same = SummingDist()
+    rt.Lockstep(same, None, torch.device("cpu")).check_same_tokens(torch.tensor([3, 9]))
+    assert same.calls == [("inference_all_reduce", None, {})]  # one reduction, no all-gather
+    with pytest.raises(rt.PolicyError) as info:
+        rt.Lockstep(SummingDist(torch.tensor([3, 8])), None, torch.device("cpu")).check_same_tokens(torch.tensor([3, 9]))
     assert _one_line(info).startswith("the ranks of a tensor-parallel group chose different tokens while generating")
 
 

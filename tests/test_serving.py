@@ -160,7 +160,18 @@ if mode == "lockstep":
         engine.module.generate(ids + rank, max_new_tokens=4, do_sample=False, pad_token_id=0)
     except policy.PolicyError as exc:
         refused = str(exc)
-    json.dump({"tokens": o[0, 12:].tolist(), "refused": refused}, open(os.path.join(out, f"{rank}.json"), "w"))
+    from transformers import LogitsProcessorList
+    def own_choice(input_ids, scores):  # a rank-dependent logits processor: rank r picks token 7 + r
+        scores[:, 7 + rank] = scores.max() + 100.0
+        return scores
+    diverged = None
+    try:  # the same inputs, different tokens at the first step: every rank stops there, none hangs
+        engine.module.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                               logits_processor=LogitsProcessorList([own_choice]))
+    except policy.PolicyError as exc:
+        diverged = str(exc)
+    json.dump({"tokens": o[0, 12:].tolist(), "refused": refused, "diverged": diverged},
+              open(os.path.join(out, f"{rank}.json"), "w"))
     torch.distributed.barrier()  # after a refused step, both ranks meet; the policy ends the group at exit
 else:  # long: for the kill test
     open(os.path.join(out, f"{rank}.pid"), "w").write(str(os.getpid()))
@@ -177,13 +188,14 @@ def _torchrun(served, tmp_path, mode) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def test_per_rank_seeds_give_the_same_tokens_and_different_prompts_stop_every_rank(served, tmp_path):
+def test_per_rank_seeds_give_the_same_tokens_and_different_prompts_or_tokens_stop_every_rank(served, tmp_path):
     proc = _torchrun(served, tmp_path, "lockstep")
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:]
     got = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
     assert got[0]["tokens"] == got[1]["tokens"] and len(got[0]["tokens"]) == 24
     assert got[0]["refused"] == got[1]["refused"] and "were given different inputs to generate" in got[0]["refused"]
+    assert got[0]["diverged"] == got[1]["diverged"] and "chose different tokens while generating" in got[0]["diverged"]
     # a gloo group left to interpreter finalization can abort a rank after its work (pytorch/pytorch#190489)
     assert [(tmp_path / f"{r}.group").read_text() for r in (0, 1)] == ["False", "False"]
 

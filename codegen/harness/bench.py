@@ -3,9 +3,10 @@
 One launch of the rank worker (codegen.harness.abrun, the worker's ab phase) holds, on every rank, the
 tensor-parallel setups of a family side by side: (a) the unpatched dir under stock
 `deepspeed.init_inference(tensor_parallel=...)`, (b) the patched dir under its generated
-`autotp_policy.init_inference`, (d) the unpatched dir loaded with `tp_plan="auto"`. Every timed unit (a
-prefill, a decode step) is run by each setup in a rotating order (ABBA generalised), each after a barrier, so
-all see the same load on this shared machine, the same processes, threads, input tensors and cache lengths.
+`autotp_policy.init_inference`, (d) the unpatched dir loaded with `tp_plan="auto"`. Every prefill is run by each
+setup in a rotating order (ABBA generalised), each after a barrier, so all see the same load on this shared
+machine, the same processes, threads, input tensors and cache lengths; decode runs each setup's steps
+consecutively (a serving rank's caches hold its own weights, not another setup's).
 (c), the unsharded unpatched model run by each rank alone (no collectives), is the numerical reference; its
 greedy tokens are the decode inputs fed to every setup (teacher forcing). Before anything is built, the
 memory the run needs is planned (codegen.harness.memory); setups that do not fit side by side run in pairs.
@@ -36,9 +37,9 @@ from codegen.harness.prepare import Progress, make_workdir
 from codegen.harness.results import record as result_record
 
 METHOD = {
-    "schedule": "one launch; on every rank the setups (a, b, d) are loaded side by side and each timed unit "
-                "(prefill, decode step) runs every setup in a rotating order (ABBA generalised), each after a "
-                "barrier",
+    "schedule": "one launch; on every rank the setups (a, b, d) are loaded side by side; each prefill runs every "
+                "setup in a rotating order (ABBA generalised), each after a barrier; decode runs each setup's "
+                "warm-up and timed steps consecutively, one setup after the other, each step after a barrier",
     "inputs": "same random prompt for every setup and c; decode tokens forced to (c)'s greedy tokens so every "
               "setup decodes the same sequence",
     "latency": "per timed unit the slowest rank (time.perf_counter around the forward), warm-up excluded",

@@ -2,10 +2,12 @@
 
 Setups: (a) stock DeepSpeed AutoTP on the unpatched dir, (b) the patched dir under its policy, (d) transformers'
 native TP (`tp_plan="auto"`), (e) the unpatched model in one process (a launch of one rank), as `options.setups`
-asks. Every timed unit (a prefill, a decode step) is run by
-each setup in a rotating order (ABBA generalised), each after a barrier; decode steps are fed the reference's
-greedy tokens (teacher forcing), so every setup decodes the same sequence. Per unit: time, logits vs the
-float32 reference (absolute and relative) and greedy agreement. Collectives are counted in passes of their
+asks. Every prefill is run by each setup in a rotating order (ABBA generalised), each after a barrier. Decode
+runs each setup's steps consecutively, one setup after the other: a decode step reads every weight it needs, and
+a step that follows another setup's would find the caches holding that setup's weights, which no serving rank
+(nor the vLLM peer, timed alone) ever does. Decode steps are fed the reference's greedy tokens (teacher forcing), so
+every setup decodes the same sequence. Per unit: time, logits vs the float32 reference (absolute and relative) and
+greedy agreement. Collectives are counted in passes of their
 own (counting at the dispatcher costs Python time on every op, which a timed unit must not pay): the
 prefill, and the first COUNTED_DECODE_STEPS decode steps from a fresh cache, per setup and per MoE block.
 Last, end to end: `generate()` from the prompt to `e2e_tokens` greedy tokens (time to first token and total), the
@@ -188,16 +190,14 @@ def measure_ab(run: Run, job: dict, opts: dict, ids, ref: Reference) -> dict:
             del cache
 
         run.say(f"{name}: decode {warmup} warm-up + {steps} timed steps of batch {ids.shape[0]}, "
-                "setups alternating every step")
-        caches = {}
-        for mode in models:
-            caches[mode] = cache_of(timed(mode, ids, use_cache=True)[0])
-            record[mode].update(decode_s=[], decode_maxdiff=0.0, decode_relative=0.0, tokens_agree=0, tokens_total=0)
-        for k in range(warmup + steps):
-            for mode in rotation(order_base, k):
-                output, elapsed = timed(mode, ref.forced[k], past_key_values=caches[mode], use_cache=True)
-                caches[mode] = cache_of(output)
-                r = record[mode]
+                "each setup's steps in a run of their own")
+        for mode in order_base:  # consecutive steps, as a serving rank (or a peer engine) runs them
+            cache = cache_of(timed(mode, ids, use_cache=True)[0])
+            r = record[mode]
+            r.update(decode_s=[], decode_maxdiff=0.0, decode_relative=0.0, tokens_agree=0, tokens_total=0)
+            for k in range(warmup + steps):
+                output, elapsed = timed(mode, ref.forced[k], past_key_values=cache, use_cache=True)
+                cache = cache_of(output)
                 logits = output.logits.float().cpu()
                 r["decode_maxdiff"] = max(r["decode_maxdiff"], (logits - ref.step_logits[k]).abs().max().item())
                 r["decode_relative"] = max(r["decode_relative"], relative(logits, ref.step_logits[k]))
@@ -206,7 +206,7 @@ def measure_ab(run: Run, job: dict, opts: dict, ids, ref: Reference) -> dict:
                 r["tokens_total"] += total
                 if k >= warmup:
                     r["decode_s"].append(elapsed)
-        caches.clear()
+            del cache
         new_tokens = opts.get("e2e_tokens", 0)
         if new_tokens:
             run.say(f"{name}: end-to-end greedy generation, {new_tokens} new tokens x {opts['e2e_repeats']}, "
