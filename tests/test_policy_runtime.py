@@ -1292,7 +1292,9 @@ def test_fingerprints_are_exact_and_tell_different_inputs_apart():
     assert rt.fingerprint([]).tolist() == [0.0]
 
 
-def test_lockstep_raises_on_every_rank_where_inputs_or_tokens_differ():
+def test_a_group_too_wide_to_sum_digits_compares_through_an_all_gather():
+    """The comparison a group of more than MOST_RANKS_SUMMED ranks falls back to."""
+
     class GatheringDist(FakeDist):
         """Two ranks; the other rank's tensors are `peer(own)`."""
 
@@ -1304,12 +1306,8 @@ def test_lockstep_raises_on_every_rank_where_inputs_or_tokens_differ():
             tensors[0].copy_(tensor)
             tensors[1].copy_(self.peer(tensor))
 
-        def broadcast(self, tensor, src, group=None):
-            self.calls.append(("broadcast", src, {}))
-
     same = rt.Lockstep(GatheringDist(lambda t: t), None, torch.device("cpu"))
     same.check_same(torch.tensor([1.0, 2.0]), "x")  # equal: nothing raised
-    same.share_random_state()
     other = rt.Lockstep(GatheringDist(lambda t: t + 1), None, torch.device("cpu"))
     with pytest.raises(rt.PolicyError) as info:
         other.check_same(torch.tensor([5]), "were given different inputs to generate")
@@ -1317,7 +1315,7 @@ def test_lockstep_raises_on_every_rank_where_inputs_or_tokens_differ():
 
 
 def _summed_digits(per_rank):
-    return sum(rt.token_digits(torch.tensor(tokens)) for tokens in per_rank)
+    return sum(rt.byte_digits(torch.tensor(tokens)) for tokens in per_rank)
 
 
 @pytest.mark.parametrize("per_rank, agree", [
@@ -1336,27 +1334,52 @@ def test_the_step_token_check_is_exact_from_summed_digits(per_rank, agree):
 
 def test_the_step_tokens_are_read_whatever_their_strides():
     step = torch.tensor([[4, 9, 300]]).expand(1, 3)[:, -1]  # generate's input_ids[:, -1] at batch 1: stride 3
-    assert torch.equal(rt.token_digits(step), rt.token_digits(torch.tensor([300])))
+    assert torch.equal(rt.byte_digits(step), rt.byte_digits(torch.tensor([300])))
+
+
+class SummingDist(FakeDist):
+    """Rank 0 of two through the inference all-reduce: each reduction adds what the other rank gave, `peer(own)`."""
+
+    def __init__(self, peer=lambda own: own):
+        super().__init__(world=2, rank=0)
+        self.peer = peer
+
+    def inference_all_reduce(self, tensor, group=None):
+        super().inference_all_reduce(tensor, group)
+        tensor.add_(self.peer(tensor.clone()))
 
 
 def test_the_step_token_check_rides_on_the_groups_inference_all_reduce():
-    class SummingDist(FakeDist):
-        """Two ranks through the inference all-reduce; the other rank chose `peer` (or the same tokens)."""
-
-        def __init__(self, peer=None):
-            super().__init__(world=2, rank=0)
-            self.peer = peer
-
-        def inference_all_reduce(self, tensor, group=None):
-            super().inference_all_reduce(tensor, group)
-            tensor.add_(tensor.clone() if self.peer is None else rt.token_digits(self.peer))
-
     same = SummingDist()
     rt.Lockstep(same, None, torch.device("cpu")).check_same_tokens(torch.tensor([3, 9]))
     assert same.calls == [("inference_all_reduce", None, {})]  # one reduction, no all-gather
+    other = SummingDist(lambda own: rt.byte_digits(torch.tensor([3, 8])))
     with pytest.raises(rt.PolicyError) as info:
-        rt.Lockstep(SummingDist(torch.tensor([3, 8])), None, torch.device("cpu")).check_same_tokens(torch.tensor([3, 9]))
+        rt.Lockstep(other, None, torch.device("cpu")).check_same_tokens(torch.tensor([3, 9]))
     assert _one_line(info).startswith("the ranks of a tensor-parallel group chose different tokens while generating")
+
+
+def test_generate_begins_with_the_first_ranks_random_state_and_the_same_inputs():
+    state_bytes = torch.get_rng_state().numel()
+
+    def peer_with(inputs):
+        """The other rank: no random state of its own to share (zeros), `inputs` fingerprinted."""
+        digest = rt.fingerprint(inputs)
+        replies = iter([torch.cat([torch.zeros(state_bytes), rt.byte_digits(torch.tensor([digest.numel()]))]),
+                        rt.byte_digits(digest)])
+        return lambda own: next(replies)
+
+    ids = torch.tensor([[1, 2, 3]])
+    torch.manual_seed(7)
+    expected = torch.get_rng_state()
+    same = SummingDist(peer_with([ids]))
+    rt.Lockstep(same, None, torch.device("cpu")).begin([ids])
+    assert [c[0] for c in same.calls] == ["inference_all_reduce"] * 2  # no broadcast, no all-gather
+    assert torch.equal(torch.get_rng_state(), expected)  # rank 0's own state, back from the sum unchanged
+    for inputs in ([torch.tensor([[1, 2, 4]])], [ids, ids]):  # other values; another count of tensors
+        with pytest.raises(rt.PolicyError) as info:
+            rt.Lockstep(SummingDist(peer_with(inputs)), None, torch.device("cpu")).begin([ids])
+        assert _one_line(info).startswith("the ranks of a tensor-parallel group were given different inputs")
 
 
 # ------------------------------------------------------------------------------------- the rendered file

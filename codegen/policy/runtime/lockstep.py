@@ -4,11 +4,12 @@ The ranks compute identical logits (every partial sum is all-reduced), so they d
 feeds `generate`: its own random generator (a script that seeds `torch.manual_seed(seed + rank)`) or its own
 inputs. Diverged ranks either produce different sequences silently or, when one stops early (an EOS), leave the
 others waiting in a collective forever. So each `generate` call
-- first broadcasts the group's first rank's random state to every rank (one broadcast of the generator state,
-  ~5 KB on CPU) and checks that every rank got the same inputs (one all-gather of a fingerprint per tensor);
+- first gives every rank the group's first rank's random state and checks that every rank got the same inputs
+  (a fingerprint per tensor);
 - then, at every decoding step, checks that every rank chose the same tokens; a rank that would diverge raises a
-  PolicyError on every rank at the same step, never a hang. That check rides on the group's inference all-reduce
-  (DeepSpeed's shared-memory kernel on CPU, ~0.1 ms), not a gloo all-gather (~0.5-1 ms a step): see `token_digits`.
+  PolicyError on every rank at the same step, never a hang.
+All of it rides on the group's inference all-reduce (DeepSpeed's shared-memory kernel on CPU, ~0.1 ms), exact
+through `byte_digits`: a gloo all-gather cost a generating rank 1-2 ms a step, waiting included.
 """
 
 import torch
@@ -37,32 +38,34 @@ def fingerprint(value):
     return torch.tensor(found or [0.0], dtype=torch.float64)
 
 
-#: the most ranks whose token digits sum exactly in float32: each sum of squares stays under 2**24 (255**2 * 258)
+#: the most ranks whose byte digits sum exactly in float32: each sum of squares stays under 2**24 (255**2 * 258)
 MOST_RANKS_SUMMED = 258
+INPUTS_DIFFER = "were given different inputs to generate"
+TOKENS_DIFFER = "chose different tokens while generating"
 
 
-def token_digits(tokens):
-    """One rank's share of the exact same-tokens check, summed over the group: each token's eight bytes d, then
-    their squares d*d, as float32.
+def byte_digits(values):
+    """One rank's share of an exact same-values check, summed over the group: the bytes d of `values`, then their
+    squares d*d, as float32.
 
     Over n ranks, n * sum(d*d) - sum(d)**2 is the sum of (d_i - d_j)**2 over every pair of ranks, so it is zero for
-    every byte exactly when every rank chose the same tokens; with bytes, both sums are integers below 2**24, so a
-    float32 all-reduce adds them exactly in any order.
+    every byte exactly when every rank holds the same values, bit for bit; with bytes, both sums are integers below
+    2**24, so a float32 all-reduce adds them exactly in any order.
     """
-    own = torch.empty(tokens.numel(), dtype=torch.int64)  # strides of its own: a size-1 column slice keeps its row's
-    own.copy_(tokens.reshape(-1))
+    own = torch.empty(values.numel(), dtype=values.dtype)  # strides of its own: a size-1 column slice keeps its row's
+    own.copy_(values.reshape(-1))
     digits = own.view(torch.uint8).to(torch.float32)
     return torch.cat([digits, digits * digits])
 
 
 def digits_agree(summed, world):
-    """Whether the group's summed `token_digits` say every rank chose the same tokens (exact, in int64)."""
+    """Whether the group's summed `byte_digits` say every rank held the same values (exact, in int64)."""
     total, squares = summed.to("cpu", torch.int64).chunk(2)
     return torch.equal(world * squares, total * total)
 
 
 class Lockstep:
-    """The group's collectives for one model: random state broadcast, inputs and step tokens compared."""
+    """The group's collectives for one model: random state shared, inputs and step tokens compared."""
 
     def __init__(self, dist, group, device):
         self.dist = dist
@@ -77,28 +80,55 @@ class Lockstep:
         self.dist.all_gather(out, tensor, group=self.group)
         return [t.cpu() for t in out]
 
-    def share_random_state(self):
+    def _summed(self, tensor):
+        tensor = tensor.to(self.device)
+        self.dist.inference_all_reduce(tensor, group=self.group)
+        return tensor.cpu()
+
+    def begin(self, inputs):
+        """Before a generate call: every rank takes the first rank's random state, and the ranks check that they
+        were given the same `inputs`. Two reductions: the state with the fingerprint's length (digits of both:
+        fingerprints of different lengths cannot be reduced together), then the fingerprint's digits."""
+        digest = fingerprint(inputs)
+        if self.world > MOST_RANKS_SUMMED:
+            self._broadcast_random_state()
+            return self.check_same(digest, INPUTS_DIFFER)
+        state = torch.get_rng_state()
+        first = self.dist.get_rank(group=self.group) == 0
+        shared = state.to(torch.float32) if first else torch.zeros(state.numel())  # a sum of one rank's bytes
+        summed = self._summed(torch.cat([shared, byte_digits(torch.tensor([digest.numel()]))]))
+        torch.set_rng_state(summed[:state.numel()].to(torch.uint8))
+        self._broadcast_cuda_random_state()
+        if not digits_agree(summed[state.numel():], self.world):
+            self._refuse(INPUTS_DIFFER)
+        self._check_digits(digest, INPUTS_DIFFER)
+
+    def _broadcast_random_state(self):
         state = torch.get_rng_state().to(self.device)
         self.dist.broadcast(state, src=self.first, group=self.group)
         torch.set_rng_state(state.cpu())
+        self._broadcast_cuda_random_state()
+
+    def _broadcast_cuda_random_state(self):
         if self.device.type == "cuda":
             cuda_state = torch.cuda.get_rng_state().to(self.device)
             self.dist.broadcast(cuda_state, src=self.first, group=self.group)
             torch.cuda.set_rng_state(cuda_state.cpu())
 
     def check_same(self, tensor, what):
+        """Through an all-gather: tensors of any shape (the fallback where the group is too wide to sum digits)."""
         rows = self._gathered(tensor)
         if tensor.numel() and any(r.shape != rows[0].shape or not torch.equal(r, rows[0]) for r in rows):
             self._refuse(what)
 
     def check_same_tokens(self, tokens):
         """Every rank chose the same step tokens (a batch's worth, the same count on every rank: the step's)."""
-        what = "chose different tokens while generating"
         if self.world > MOST_RANKS_SUMMED:
-            return self.check_same(tokens, what)
-        summed = token_digits(tokens).to(self.device)
-        self.dist.inference_all_reduce(summed, group=self.group)
-        if not digits_agree(summed, self.world):
+            return self.check_same(tokens, TOKENS_DIFFER)
+        self._check_digits(tokens, TOKENS_DIFFER)
+
+    def _check_digits(self, values, what):
+        if not digits_agree(self._summed(byte_digits(values)), self.world):
             self._refuse(what)
 
     @staticmethod
@@ -124,9 +154,7 @@ def keep_in_lockstep(model, dist, group, device):
             return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     def generate(*args, **kwargs):
-        lockstep.share_random_state()
-        lockstep.check_same(fingerprint([args, {k: v for k, v in kwargs.items() if k != "streamer"}]),
-                            "were given different inputs to generate")
+        lockstep.begin([args, {k: v for k, v in kwargs.items() if k != "streamer"}])
         criteria = StoppingCriteriaList(list(kwargs.pop("stopping_criteria", None) or []) + [SameTokens()])
         return original(*args, stopping_criteria=criteria, **kwargs)
 
