@@ -313,3 +313,45 @@ def test_serve_refuses_what_cannot_be_served_before_any_rank_starts(tmp_path):
         check_servable(d, 3)
     with pytest.raises(BadInput, match="--tp must be a positive integer"):
         check_servable(d, 0)
+
+
+# ------------------------------------------------------------------------------------- plans between ranks
+
+
+@pytest.mark.parametrize("plan, follow", [
+    (None, False),  # an idle beat: rank 0 may wait for requests next
+    ({"stop": True}, False),
+    ({"drop": [3], "decode": [], "new": []}, False),  # the last rows leaving
+    ({"drop": [], "decode": [[1, 42]], "new": []}, True),
+    ({"drop": [2], "decode": [], "new": [[4, [1, 2, 3]]]}, True),
+])
+def test_only_a_plan_that_steps_rows_sends_its_successor_over_the_all_reduce(plan, follow):
+    from codegen.serve.plans import rows_follow
+
+    assert rows_follow(plan) is follow
+
+
+def test_a_plan_summed_with_the_other_ranks_zeros_arrives_whole():
+    """Two ranks: rank 0 adds its plan's bytes, rank 1 zeros of the length it learnt from the first reduction."""
+    import torch
+
+    from codegen.serve.plans import PlanChannel, plan_bytes
+
+    plan = {"drop": [7], "decode": [[1, 300], [2, 2**40]], "new": [[9, list(range(300_000))]]}
+    assert plan_bytes(plan).numel() > 2**20  # its length needs both digits
+    sent = []
+
+    def rank0_reduce(tensor):  # what rank 1 adds: zeros
+        sent.append(tensor.clone())
+
+    def rank1_reduce(tensor):  # what rank 0 adds: its length, then its bytes
+        tensor.add_(sent[len(received)])
+        received.append(tensor.numel())
+
+    received = []
+    first = PlanChannel(0, rank0_reduce, torch.device("cpu"))
+    other = PlanChannel(1, rank1_reduce, torch.device("cpu"))
+    first.fast = other.fast = True
+    assert first.send(plan) == plan
+    assert other.send(None) == plan and received == [2, plan_bytes(plan).numel()]
+    assert other.fast and first.fast  # rows stepped: the next plan comes the same way

@@ -494,14 +494,18 @@ def test_bad_requests_get_one_4xx_with_openais_error_body(server, client):
 
 def test_a_short_request_beside_a_long_one_is_answered_in_its_own_time(client, server):
     finished = {}
+    running = threading.Event()
 
     def long():
-        client.completions.create(model="qwen3_moe", prompt=PROMPT, max_tokens=200, logit_bias={"0": -100})
+        stream = client.completions.create(model="qwen3_moe", prompt=PROMPT, max_tokens=200, stream=True,
+                                           logit_bias={"0": -100})
+        for _ in stream:
+            running.set()  # its first tokens are out: it is in the running batch (a fixed sleep raced fast steps)
         finished["long"] = time.monotonic()
 
     thread = threading.Thread(target=long)
     thread.start()
-    time.sleep(0.5)
+    assert running.wait(60)
     client.completions.create(model="qwen3_moe", prompt="Hi", max_tokens=4)
     finished["short"] = time.monotonic()
     thread.join()

@@ -1,5 +1,5 @@
 """One step of continuous batching on every rank: the same forward passes, from the step's composition that rank
-0 broadcasts (codegen.serve.batching plans it).
+0 sends (codegen.serve.batching plans it, codegen.serve.plans carries it).
 
 The running sequences share one KV cache, left-padded to the longest: a step drops the rows that left (and the
 columns no remaining row needs), decodes one token for every remaining row in one forward pass (each row at its

@@ -3,7 +3,7 @@
 Every rank loads the patched dir and shards it with the dir's own policy. Rank 0 also runs the HTTP front
 (codegen.serve.http, uvicorn in a thread), or holds the one request of `generate`. The serving loop is continuous
 batching: each step rank 0 asks its scheduler (codegen.serve.batching) for the step's composition (rows leaving,
-the running rows' last tokens, prompts joining) and broadcasts it; every rank runs the same step
+the running rows' last tokens, prompts joining) and sends it (codegen.serve.plans); every rank runs the same step
 (codegen.serve.engine), and rank 0 samples each row's next token from the logits and hands it to its request.
 When nothing runs or waits, rank 0 broadcasts an idle beat every IDLE_BEAT_S, so the ranks' blocking collectives
 never time out. The launcher stops the ranks (SIGTERM, then SIGKILL); a rank ignores Ctrl-C itself and dies with
@@ -21,6 +21,7 @@ from pathlib import Path
 
 from codegen.errors import BadInput
 from codegen.serve.batching import DONE, ERROR, TOKEN, Scheduler, Seq
+from codegen.serve.plans import PlanChannel
 from codegen.serve.protocol import Sampling
 
 #: how long rank 0 waits for a request before it broadcasts an idle beat
@@ -42,12 +43,16 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def _broadcast(value):
+def _group_all_reduce(engine):
+    """The tensor-parallel group's inference all-reduce (the one the model's layers use), or None with one rank."""
+    group = getattr(engine, "mp_group", None)
     import torch.distributed as dist
 
-    holder = [value]
-    dist.broadcast_object_list(holder, src=0)
-    return holder[0]
+    if not dist.is_initialized() or dist.get_world_size(group=group) < 2:
+        return None
+    import deepspeed.comm as ds_dist
+
+    return lambda tensor: ds_dist.inference_all_reduce(tensor, group=group)
 
 
 def context_length(config) -> int | None:
@@ -77,6 +82,7 @@ def main(spec_path: Path) -> int:
     model = engine.module
     model.eval()
     steps = Engine(model)
+    plans = PlanChannel(rank, _group_all_reduce(engine), steps.device)
     serving = spec["mode"] == "serve"
     scheduler = answer = None
     if rank == 0:
@@ -129,7 +135,7 @@ def main(spec_path: Path) -> int:
             plan = scheduler.plan(IDLE_BEAT_S if serving else 0.0)
             if plan is None and not serving:
                 plan = {"stop": True}
-        plan = _broadcast(plan)
+        plan = plans.send(plan)
         if plan is None:
             continue
         if plan.get("stop"):
