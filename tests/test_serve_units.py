@@ -186,14 +186,15 @@ def test_each_sequence_samples_with_its_own_settings():
     assert logprob == pytest.approx(float(torch.log_softmax(logits, -1)[1])) and logprob == top[0][1]
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])  # gpt_oss: every other layer a sliding window of 8
 @pytest.mark.parametrize("max_batch,first,join_at", [(3, 2, 2), (4, 1, 1), (4, 4, 0)])
-def test_an_engine_step_batch_equals_each_sequence_run_alone(_tiny_templates, max_batch, first, join_at):
+def test_an_engine_step_batch_equals_each_sequence_run_alone(_tiny_templates, family, max_batch, first, join_at):
     """Sequences of different lengths joining (alone or several in one left-padded prefill) and leaving one
-    left-padded batch get the tokens each gets alone."""
+    left-padded batch get the tokens each gets alone, past the sliding window too."""
     from codegen.models import load
     from codegen.serve.engine import Engine
 
-    model = load(_tiny_templates["qwen3_moe"], False, torch.float32).eval()
+    model = load(_tiny_templates[family], False, torch.float32).eval()
     prompts, budgets = [[5, 6, 7, 8, 9, 10, 11], [20, 21], [30 + i for i in range(12)], [50, 51, 52]], [12, 5, 9, 15]
 
     def alone(prompt, n):

@@ -5,8 +5,11 @@ The running sequences share one KV cache, left-padded to the longest: a step dro
 columns no remaining row needs), decodes one token for every remaining row in one forward pass (each row at its
 own position, the padding masked out), then prefills the joining prompts (together, left-padded to the longest)
 and appends their cache rows.
-Models whose cache is not plain per-layer key/value tensors (sliding windows, recurrent state) keep one cache per
-sequence and decode them one by one in the same step. Returns each stepped row's last logits (rank 0 samples).
+A sliding-window layer (transformers' DynamicSlidingWindowLayer: gpt-oss, every other layer) batches the same way:
+it keeps the last window - 1 of the batch's columns, and its `cumulative_length` is the batch's width, so the masks
+transformers builds from it line up with the rows' left padding.
+Models whose cache is anything else (recurrent state, chunked or offloaded layers) keep one cache per sequence and
+decode them one by one in the same step. Returns each stepped row's last logits (rank 0 samples).
 """
 
 from __future__ import annotations
@@ -83,9 +86,13 @@ class Engine:
         self.mask = self.mask.index_select(0, index)
         first = int(torch.nonzero(self.mask.any(0))[0])  # the columns before it are padding in every row left
         self.mask = self.mask[:, first:]
+        width = self.mask.shape[1]
         for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(0, index.to(layer.keys.device))[:, :, first:]
-            layer.values = layer.values.index_select(0, index.to(layer.values.device))[:, :, first:]
+            keys = layer.keys.index_select(0, index.to(layer.keys.device))
+            values = layer.values.index_select(0, index.to(layer.values.device))
+            start = keys.shape[2] - _kept(layer, width)
+            layer.keys, layer.values = keys[:, :, start:], values[:, :, start:]
+            _set_width(layer, width)
 
     def _decode(self, tokens: list[int]) -> dict:
         import torch
@@ -114,8 +121,7 @@ class Engine:
         logits, cache = self._forward(ids, None, attention_mask=torch.ones_like(ids).to(self.device))
         if self.batched is None:
             layers = getattr(cache, "layers", None)
-            self.batched = bool(layers) and all(type(layer).__name__ == "DynamicLayer" and
-                                                getattr(layer, "keys", None) is not None for layer in layers)
+            self.batched = bool(layers) and all(_batchable(layer) for layer in layers)
         self.rows.append(sid)
         self.lengths.append(len(prompt))
         if not self.batched:
@@ -154,10 +160,39 @@ class Engine:
         full = max(width, new)
         self.mask = torch.cat([_left_pad(self.mask, full - width, 1), _left_pad(mask, full - new, 1)], dim=0)
         for old_layer, new_layer in zip(self.cache.layers, cache.layers):
-            old_layer.keys = torch.cat([_left_pad(old_layer.keys, full - width, 2),
-                                        _left_pad(new_layer.keys, full - new, 2)], dim=0)
-            old_layer.values = torch.cat([_left_pad(old_layer.values, full - width, 2),
-                                          _left_pad(new_layer.values, full - new, 2)], dim=0)
+            kept = _kept(old_layer, full)
+            old_layer.keys = torch.cat([_left_pad(old_layer.keys, kept - old_layer.keys.shape[2], 2),
+                                        _left_pad(new_layer.keys, kept - new_layer.keys.shape[2], 2)], dim=0)
+            old_layer.values = torch.cat([_left_pad(old_layer.values, kept - old_layer.values.shape[2], 2),
+                                          _left_pad(new_layer.values, kept - new_layer.values.shape[2], 2)], dim=0)
+            _set_width(old_layer, full)
+
+
+#: transformers' cache layers whose rows can share one left-padded batch: plain key/value tensors, and the sliding
+#: window's (its last window - 1 columns, as it keeps them while it decodes)
+_FULL, _SLIDING = "DynamicLayer", "DynamicSlidingWindowLayer"
+
+
+def _batchable(layer) -> bool:
+    kind = type(layer).__name__
+    if getattr(layer, "keys", None) is None or kind not in (_FULL, _SLIDING):
+        return False
+    return kind == _FULL or (isinstance(getattr(layer, "sliding_window", None), int)
+                             and isinstance(getattr(layer, "cumulative_length", None), int)
+                             and not getattr(layer, "record_past", False))
+
+
+def _kept(layer, width: int) -> int:
+    """How many of a batch's `width` columns `layer` holds: all, or a sliding window's last window - 1."""
+    if type(layer).__name__ == _SLIDING:
+        return min(width, layer.sliding_window - 1)
+    return width
+
+
+def _set_width(layer, width: int) -> None:
+    """A sliding-window layer counts the batch's columns (its masks' offset comes from it)."""
+    if type(layer).__name__ == _SLIDING:
+        layer.cumulative_length = width
 
 
 def _left_pad(tensor, n: int, dim: int):
