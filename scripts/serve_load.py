@@ -2,15 +2,17 @@
 concurrent clients, printed as markdown tables (requests/s, output tokens/s, time to first token and inter-token
 latency p50/p99).
 
-    .venv/bin/python scripts/serve_load.py --engine codegen --engine vllm --record docs/serving/load.json
+    .venv/bin/python scripts/serve_load.py --engine codegen --engine codegen-compiled --engine vllm \
+        --record docs/serving/load.json
     .venv/bin/python scripts/serve_load.py --port PORT        # any OpenAI-compatible server already running
 
 It builds (once, under --dir) the bench-size Qwen3-MoE example with its byte-level tokenizer and patches it. Each
---engine is started, measured and stopped in turn: `python -m codegen serve DIR --tp 2 --dtype float32`, and vLLM's
+--engine is started, measured and stopped in turn: `python -m codegen serve DIR --tp 2 --dtype float32` (with
+`--compile` for codegen-compiled: new batch shapes compile while the level warms), and vLLM's
 CPU build (`vllm serve` in the virtualenv `bench --peer vllm` builds, never codegen's own) on the unpatched copy of
 the same checkpoint, TP 2, float32, the same batch bound. Each client streams its requests one after another
 (every request exactly --tokens new tokens of printable ASCII: see BIAS), for --seconds per level after one warm-up
-request each. The clients are threads of this process, on the same machine as the servers. --record writes the
+request each and --warm-seconds of the level's load untimed. The clients are threads of this process, on the same machine as the servers. --record writes the
 figures (codegen.harness.serving_figures renders docs/serving.md's table and the README's line from them).
 """
 
@@ -41,10 +43,11 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def _level(client, model: str, clients: int, tokens: int, seconds: float) -> dict:
+def _level(client, model: str, clients: int, tokens: int, seconds: float, warm_seconds: float) -> dict:
     ttft, itl, done_tokens, done = [], [], [], []
     lock = threading.Lock()
     stop_at = [0.0]
+    warm_until = time.monotonic() + warm_seconds
 
     def one(prompt: str, record: bool) -> None:
         started = time.monotonic()
@@ -72,6 +75,10 @@ def _level(client, model: str, clients: int, tokens: int, seconds: float) -> dic
 
     def worker(k: int) -> None:
         one(PROMPTS[k % len(PROMPTS)], record=False)  # warm-up
+        n = 1
+        while time.monotonic() < warm_until:  # this level's load, untimed: what it compiles is compiled before timing
+            one(PROMPTS[(k + n * clients) % len(PROMPTS)], record=False)
+            n += 1
         barrier.wait()
         go.wait()
         n = 0
@@ -96,10 +103,11 @@ def _level(client, model: str, clients: int, tokens: int, seconds: float) -> dic
             "mean_tokens": statistics.mean(done_tokens) if done_tokens else 0}
 
 
-def _start_codegen(model_dir: Path, max_batch: int) -> tuple[subprocess.Popen, int, str]:
+def _start_codegen(model_dir: Path, max_batch: int, compiled: bool) -> tuple[subprocess.Popen, int, str]:
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error"}
     proc = subprocess.Popen([sys.executable, "-m", "codegen", "serve", str(model_dir), "--tp", "2", "--port", "0",
-                             "--dtype", "float32", "--max-batch", str(max_batch)], env=env,
+                             "--dtype", "float32", "--max-batch", str(max_batch), *(["--compile"] if compiled else [])],
+                            env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     match = re.search(r"on http://[\d.]+:(\d+)/v1", proc.stdout.readline())
     if not match:
@@ -148,7 +156,8 @@ def _stop(proc: subprocess.Popen, group: bool) -> None:
             proc.wait()
 
 
-def _run_levels(port: int, levels: list[int], tokens: int, seconds: float, title: str) -> list[dict]:
+def _run_levels(port: int, levels: list[int], tokens: int, seconds: float, warm_seconds: float,
+                title: str) -> list[dict]:
     import openai
 
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
@@ -158,7 +167,7 @@ def _run_levels(port: int, levels: list[int], tokens: int, seconds: float, title
     print("|---|---|---|---|---|---|---|---|")
     rows = []
     for clients in levels:
-        r = _level(client, model, clients, tokens, seconds)
+        r = _level(client, model, clients, tokens, seconds, warm_seconds)
         rows.append(r)
         print(f"| {r['clients']} | {r['requests']} | {r['rps']:.2f} | {r['tps']:.0f} | {r['ttft50'] * 1000:.0f} ms"
               f" | {r['ttft99'] * 1000:.0f} ms | {r['itl50'] * 1000:.1f} ms | {r['itl99'] * 1000:.1f} ms |", flush=True)
@@ -171,10 +180,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--levels", default="1,8,32")
     parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--warm-seconds", type=float, default=10.0,
+                        help="untimed load at each level's concurrency before its timed seconds")
     parser.add_argument("--port", type=int, default=None, help="drive a server already running there instead")
     parser.add_argument("--max-batch", type=int, default=32)
-    parser.add_argument("--engine", choices=["codegen", "vllm"], action="append",
-                        help="the server(s) to start and measure, one after the other (default: codegen)")
+    parser.add_argument("--engine", choices=["codegen", "codegen-compiled", "vllm"], action="append",
+                        help="the server(s) to start and measure, one after the other (default: codegen); "
+                             "codegen-compiled: `codegen serve --compile`")
     parser.add_argument("--record", type=Path, default=None,
                         help="write the figures here (JSON) and refresh the sections of docs/serving.md and the "
                              "README generated from it (codegen.harness.serving_figures)")
@@ -183,7 +195,8 @@ def main() -> None:
     title = (f"{args.tokens} tokens a request, {args.seconds:g} s a level, {os.cpu_count()} cores shared by server "
              f"and clients; load average {os.getloadavg()[0]:.1f} before")
     if args.port is not None:
-        _run_levels(args.port, levels, args.tokens, args.seconds, f"the server on port {args.port}, " + title)
+        _run_levels(args.port, levels, args.tokens, args.seconds, args.warm_seconds,
+                    f"the server on port {args.port}, " + title)
         return
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from serve_wait import _dir
@@ -196,15 +209,15 @@ def main() -> None:
     engines = {}
     for engine in args.engine or ["codegen"]:
         load_before = os.getloadavg()[0]
-        if engine == "codegen":
-            proc, port, version = _start_codegen(model_dir, args.max_batch)
+        if engine.startswith("codegen"):
+            proc, port, version = _start_codegen(model_dir, args.max_batch, compiled=engine == "codegen-compiled")
         else:
             unpatched = args.dir / "unpatched"
             if not unpatched.is_dir():
                 materialize_unpatched(model_dir, unpatched)
             proc, port, version = _start_vllm(unpatched, args.max_batch, args.dir / "vllm-serve.log")
         try:
-            rows = _run_levels(port, levels, args.tokens, args.seconds,
+            rows = _run_levels(port, levels, args.tokens, args.seconds, args.warm_seconds,
                                f"{engine} {version}, tp 2, float32, batch bound {args.max_batch}, " + title)
         finally:
             _stop(proc, group=engine == "vllm")
@@ -215,6 +228,7 @@ def main() -> None:
 
         settings = {"model": "bench-size Qwen3-MoE (hidden 512, 4 layers, 128 experts, top-8) with a byte-level "
                     "tokenizer", "tp": 2, "dtype": "float32", "tokens": args.tokens, "seconds": args.seconds,
+                    "warm_seconds": args.warm_seconds,
                     "max_batch": args.max_batch}
         args.record.write_text(json.dumps({"schema": LOAD_SCHEMA, "machine": machine_info("cpu"), "settings": settings,
                                            "engines": engines}, indent=1) + "\n")

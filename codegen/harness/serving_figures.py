@@ -18,7 +18,7 @@ LOAD_SECTION = splice.markers("serve-load", f"scripts/serve_load.py --record {LO
 SOAK_SECTION = splice.markers("serve-soak", f"scripts/serve_soak.py --record {SOAK_RECORD}")
 SUMMARY_SECTION = splice.markers("serve-summary", "scripts/serve_load.py and scripts/serve_soak.py (--record)")
 #: engine key in a load record -> how the tables name it
-ENGINES = {"codegen": "codegen serve", "vllm": "vllm serve"}
+ENGINES = {"codegen": "codegen serve", "codegen-compiled": "codegen serve --compile", "vllm": "vllm serve"}
 
 
 def read(path: Path) -> dict | None:
@@ -39,10 +39,11 @@ def _machine(m: dict) -> str:
 
 
 def load_table(record: dict) -> str:
-    """Both engines per client count, one row each, and the run's settings."""
+    """Every engine per client count, one row each, and the run's settings."""
     s = record["settings"]
     lines = [_wrap(f"{s['model']}, TP {s['tp']}, {s['dtype']}, {s['tokens']} tokens a request (streamed, the official "
-             f"`openai` client), {s['seconds']:g} s a level after one warm-up request per client, each engine's "
+             f"`openai` client), {s['seconds']:g} s a level after one warm-up request per client"
+             + (f" and {s['warm_seconds']:g} s of its load untimed" if s.get("warm_seconds") else "") + ", each engine's "
              f"batch bound {s['max_batch']}; {_machine(record['machine'])}, the client threads on the same cores; "
              + "; ".join(f"{ENGINES[k]}: {e['version']}, load average {e['load_before']:.1f} before its run"
                          for k, e in record["engines"].items()) + "."),
@@ -57,14 +58,15 @@ def load_table(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def ratios(record: dict) -> dict[int, float]:
-    """{clients: codegen's output tokens/s over vLLM's}."""
+def ratios(record: dict) -> dict[str, dict[int, float]]:
+    """{codegen engine: {clients: its output tokens/s over vLLM's}}, for each codegen engine the record has."""
     engines = record["engines"]
-    if not {"codegen", "vllm"} <= set(engines):
+    if "vllm" not in engines:
         return {}
     theirs = {r["clients"]: r["tps"] for r in engines["vllm"]["levels"]}
-    return {r["clients"]: r["tps"] / theirs[r["clients"]] for r in engines["codegen"]["levels"]
-            if theirs.get(r["clients"])}
+    return {key: {r["clients"]: r["tps"] / theirs[r["clients"]] for r in engines[key]["levels"]
+                  if theirs.get(r["clients"])}
+            for key in ENGINES if key != "vllm" and key in engines}
 
 
 def soak_text(record: dict) -> str:
@@ -84,10 +86,10 @@ def summary(load: dict | None, soak: dict | None) -> str:
     """The README's serving line."""
     parts = []
     if load:
-        by = ratios(load)
-        if by:
-            parts.append("output tokens/s of `codegen serve` over `vllm serve` (its CPU build, same checkpoint, TP 2) at "
-                         + ", ".join(f"{c} client{'s' if c > 1 else ''}: {x:.2f}×" for c, x in sorted(by.items())))
+        for key, by in ratios(load).items():
+            parts.append(f"output tokens/s of `{ENGINES[key]}` over `vllm serve` (its CPU build, same checkpoint, "
+                         "TP 2) at " + ", ".join(f"{c} client{'s' if c > 1 else ''}: {x:.2f}×"
+                                                 for c, x in sorted(by.items())))
     if soak:
         r = soak["result"]
         parts.append(f"a {soak['settings']['minutes']:g}-minute soak: {r['requests']} requests, "
