@@ -95,7 +95,8 @@ def summary(load: dict | None, soak: dict | None) -> str:
         parts.append(f"a {soak['settings']['minutes']:g}-minute soak: {r['requests']} requests, "
                      f"{r['valid_errors']} errors on valid ones, RSS per rank over its second half "
                      + ", ".join(f"{rank['second_half_mib']:+.0f} MiB" for rank in r["ranks"]))
-    return _wrap("Serving, measured ([docs/serving.md](docs/serving.md)): " + "; ".join(parts) + ".") + "\n" if parts else ""
+    return _wrap("Serving, measured (one run of each; the spread of several in [docs/serving.md](docs/serving.md)): "
+                 + "; ".join(parts) + ".") + "\n" if parts else ""
 
 
 def refresh(root: Path) -> list[Path]:
