@@ -62,7 +62,7 @@ class PlanChannel:
         count = high * _LENGTH_BASE + low
         summed = own.to(self.device) if own is not None else torch.zeros(count, device=self.device)
         self.all_reduce(summed)
-        return plan_of(summed)
+        return plan if self.rank == 0 else plan_of(summed)  # rank 0 holds its plan already
 
 
 def _broadcast(value):
