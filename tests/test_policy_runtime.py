@@ -1914,6 +1914,114 @@ def test_the_experts_kernel_is_torchs_matmul_per_expert(layout, offs_dtype, thre
     assert torch.equal(got[-2:], torch.zeros(2, out, dtype=dtype))
 
 
+def _fused_experts_module(family: str):
+    """transformers' own experts module of `family`'s tiny example (5.x), its weights drawn, or None (4.x)."""
+    from codegen.harness.examples import example_config, installed_families, model_class
+
+    if family not in installed_families() or not _experts_implementations():
+        return None
+    torch.manual_seed(0)
+    model = model_class(family).from_config(example_config(family)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_the_fused_experts_are_transformers_grouped_experts(family, threads):
+    """`codegen::fused_experts` on transformers' own experts module equals its `grouped_mm` forward: Qwen3-MoE's
+    (SiLU gate, gate and up concatenated, (E, out, in) weights, also taken row-major) and GPT-OSS's (clamped SwiGLU,
+    interleaved, row-major, biases); experts with no row, 1 row, 4, 16 and more than 16 (sgemm or the kernel, by
+    the thread count)."""
+    model = _fused_experts_module(family)
+    if model is None:
+        return  # 4.x: experts are per-expert MLPs, which the op does not take
+    assert rt.fused_experts_available(), "the fused experts cannot run on this machine"
+    layout = FAMILIES[family].policy_layout()
+    experts = next(m for m in model.modules() if hasattr(m, "is_concatenated"))
+    call = rt.fused_call(experts, layout["fused"])
+    assert call is not None
+    count = getattr(experts, "num_experts", None) or model.config.num_local_experts
+    tokens = torch.randn(40, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    index = torch.zeros(40, 2, dtype=torch.int64)  # experts 0..3 and the last: 20, 4, 39, 1 and 16 rows, others none
+    index[20:36, 0], index[36:, 0], index[:39, 1], index[39, 1] = count - 1, 1, 2, 3
+    weights = torch.rand(40, 2, generator=torch.Generator().manual_seed(3))
+    counts = torch.bincount(index.flatten(), minlength=count).tolist()
+    assert counts[:4] == [20, 4, 39, 1] and counts[-1] == 16 and 0 in counts
+    model.config._experts_implementation = "grouped_mm"
+    gate_up, down = getattr(experts, call[0]), getattr(experts, call[1])
+    if not experts.is_transposed:
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    biases = [getattr(experts, name) if name else None for name in call[2:4]]
+    assert (biases[0] is not None) == (family == "gpt_oss")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            want = experts(tokens, index, weights)
+            got = [rt.fused_experts(tokens, index, weights, g, d, *biases, *call[4:])
+                   for g, d in ((gate_up, down), (gate_up.contiguous(), down.contiguous()),
+                                (gate_up.transpose(1, 2).contiguous().transpose(1, 2),
+                                 down.transpose(1, 2).contiguous().transpose(1, 2)))]
+    finally:
+        torch.set_num_threads(before)
+    scale = want.abs().max().item()
+    for one in got:
+        assert one.shape == want.shape and (one - want).abs().max().item() <= 1e-5 * scale
+
+
+def test_the_fused_experts_refuse_an_expert_id_outside_the_experts():
+    gate_up, down = torch.randn(3, 8, 4), torch.randn(3, 2, 8)
+    with pytest.raises(RuntimeError, match="expert id outside the experts"):
+        rt.fused_experts(torch.randn(2, 8), torch.tensor([[0, 3], [1, 2]]), torch.rand(2, 2), gate_up, down)
+
+
+def _use_fused(model, family):
+    layout = FAMILIES[family].policy_layout()
+    return rt.use_fused_experts(rt.moe_blocks(model, layout), layout)
+
+
+def test_the_policy_runs_transformers_experts_as_the_fused_op_where_they_take_it():
+    """A float32 CPU model on transformers' default (`grouped_mm`) switches to `codegen`: every experts module runs
+    the op and the logits stay (Qwen3-MoE, GPT-OSS); experts whose gate is not the layout's (checked on a probe) are
+    left to transformers; a model set to another implementation keeps it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(4))
+    for family in ("qwen3_moe", "gpt_oss"):
+        model = _fused_experts_module(family)
+        if model is None:
+            return
+        with torch.no_grad():
+            want = model(ids).logits
+            assert _use_fused(model, family) is None
+            got = model(ids).logits
+        assert model.config._experts_implementation == rt.IMPLEMENTATION
+        assert rt.fused_module_count(model) == model.config.num_hidden_layers
+        assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item(), family
+    with FakeTensorMode() as mode:
+        hidden = mode.from_tensor(torch.randn(5, 8))
+        fake = torch.ops.codegen.fused_experts(hidden, mode.from_tensor(torch.zeros(5, 2, dtype=torch.int64)),
+                                               mode.from_tensor(torch.rand(5, 2)),
+                                               mode.from_tensor(torch.randn(3, 8, 4)),
+                                               mode.from_tensor(torch.randn(3, 2, 8)), None, None, rt.GATE_SILU, 0.0,
+                                               0.0)
+    assert tuple(fake.shape) == (5, 8)
+
+    other_gate = _fused_experts_module("qwen3_moe")
+    for module in other_gate.modules():
+        if hasattr(module, "is_concatenated"):
+            module.act_fn = torch.nn.GELU()
+    assert _use_fused(other_gate, "qwen3_moe") is None and rt.fused_module_count(other_gate) == 0
+    assert other_gate.config._experts_implementation == rt.REPLACED
+    chosen = _fused_experts_module("qwen3_moe")
+    chosen.config._experts_implementation = "batched_mm"
+    assert _use_fused(chosen, "qwen3_moe") is None and rt.fused_module_count(chosen) == 0
+    assert chosen.config._experts_implementation == "batched_mm"
+
+
 def test_offsets_past_the_rows_are_left_to_torch_not_read_by_the_kernel():
     """torch slices as transformers' fallback does (to the rows there are); the kernel never reads past them."""
     rows, weight, ends = torch.randn(4, 8), torch.randn(2, 8, 4), torch.tensor([2, 9])

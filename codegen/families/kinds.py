@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import InitVar, dataclass, field, fields
 
-from codegen.policy.runtime.base import FUSED_GATE_UP_ROWS
+from codegen.policy.runtime.base import FUSED_GATE_UP_ROWS, GATE_SILU
 
 #: The config.json key `patch` writes; the generated policy reads it. Off = stock DeepSpeed behaviour.
 KNOB = "codegen_coalesce_moe_all_reduce"
@@ -95,6 +95,11 @@ class FusedExperts:
     #: rank's partial sum before the one reduction (linear; its bias, if any, kept on rank 0 only)
     latent_in: str = ""
     latent_out: str = ""
+    #: the experts' gate (codegen.policy.runtime.base GATE_*) and the experts-module attributes holding its
+    #: parameters, in the order the gate takes them: the policy runs such experts as one fused op on CPU, after
+    #: checking the module computes that gate
+    gate: str = GATE_SILU
+    gate_params: tuple[str, ...] = ()
 
     @property
     def parameters(self) -> tuple[str, ...]:
@@ -458,7 +463,8 @@ class Family:
                       "gate_up_bias": fused.gate_up_bias, "down_bias": fused.down_bias,
                       **({"up": fused.up} if fused.up else {}),
                       **({"latent_in": fused.latent_in} if fused.latent_in else {}),
-                      **({"latent_out": fused.latent_out} if fused.latent_out else {})},
+                      **({"latent_out": fused.latent_out} if fused.latent_out else {}),
+                      "gate": fused.gate, "gate_params": list(fused.gate_params)},
             "shared": list(self.shared_experts),
             "routers": list(routers),
             "attention_replicated": list(self.attention_replicated),

@@ -14,7 +14,7 @@ from codegen.families.kinds import ANCHOR_RETURNED_ROUTED, ANCHOR_RETURNED_SUM, 
     IMAGE_SIZED, IMAGE_WHOLE, Alias, Family, FusedExperts, Legacy, LinearAttention, MoELayers, PerExpertMLP, \
     QuantizedForm, Wrapper, table
 from codegen.policy.runtime.base import FUSED_FLAT_ROWS, FUSED_GATE_UP_HALVES_COLS, FUSED_GATE_UP_INTERLEAVED_COLS, \
-    FUSED_UP_ROWS
+    FUSED_UP_ROWS, GATE_CLAMPED_SWIGLU
 
 #: the DeepSeek MoE block: shared experts beside routed ones counted by `n_routed_experts`
 _DEEPSEEK_MOE = dict(shared_experts=("shared_experts",), num_experts_keys=("n_routed_experts",))
@@ -45,7 +45,8 @@ _QK_FULL_WIDTH_NORMS = (("q_norm", "q_proj"), ("k_norm", "k_proj"))
 #: Llama 4's fused experts (every release): gate_up [E, H, 2I] gate columns then up columns, down [E, I, H]
 _LLAMA4_EXPERTS = FusedExperts(kind=FUSED_GATE_UP_HALVES_COLS, size_attr="expert_dim")
 _GPT_OSS_EXPERTS = FusedExperts(kind=FUSED_GATE_UP_INTERLEAVED_COLS, size_attr="intermediate_size",
-                                gate_up_bias="gate_up_proj_bias", down_bias="down_proj_bias")
+                                gate_up_bias="gate_up_proj_bias", down_bias="down_proj_bias",
+                                gate=GATE_CLAMPED_SWIGLU, gate_params=("alpha", "limit"))
 
 #: the gated delta-net attribute of the Qwen hybrids' decoder layers, and the head counts of their linear attention
 _QWEN_LINEAR_ATTN = "linear_attn"

@@ -37,6 +37,13 @@ FUSED_FLAT_ROWS = "flat_rows"
 #: MoE block into and out of the experts' width, kept whole on every rank (codegen.policy.runtime.experts)
 FUSED_UP_ROWS = "up_rows"
 
+#: the gates of fused experts the policy's fused op computes (codegen.policy.runtime.experts_implementation), by what
+#: they make of gate_up's output: silu(gate) * up with transformers' default gate (gate and up concatenated)
+GATE_SILU = "silu"
+#: GPT-OSS's: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit), gate and up interleaved;
+#: alpha and limit are attributes of the experts module the layout names (`gate_params`)
+GATE_CLAMPED_SWIGLU = "clamped_swiglu"
+
 
 class PolicyError(RuntimeError):
     """A problem the user can fix; its message is one line."""

@@ -18,6 +18,7 @@ from codegen.policy.runtime.base import PATCH_MARKER, REDUCER_ATTR, SUPPORTED_DE
     expert_paths
 from codegen.policy.runtime.compiled import compile_forward
 from codegen.policy.runtime.experts import row_layer_policy, shard_experts
+from codegen.policy.runtime.experts_implementation import use_fused_experts
 from codegen.policy.runtime.environment import (destroy_group_at_exit, launcher_notes, local_ranks, malloc_note,
                                                 thread_note)
 from codegen.policy.runtime.groups import CoalescedAllReduce, TensorParallelGroups, route_inference_reductions
@@ -135,6 +136,7 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
             shard_experts(block, name, rank, world, layout, column, row)
             setattr(block, REDUCER_ATTR, reducer)
     keep_whole(whole, engine.module, deepspeed_kwargs["dtype"])
+    notes.append(use_fused_experts(blocks, layout))
     if world > 1:
         keep_in_lockstep(engine.module, dist, group, _device_of(engine.module))
     if _device_of(engine.module).type == "cpu":
