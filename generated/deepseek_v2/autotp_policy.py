@@ -41,7 +41,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'deepseek_v2', 'moe_classes': ['DeepseekV2Moe', 'DeepseekV2MoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': ['q_a_proj', 'kv_a_proj_with_mqa'], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_deepseek_v2'
-RUNTIME_SHA256 = '48689914224570b0b610005cf7433b3ff4eadd70d1ab2fe532de394fb9a82f32'
+RUNTIME_SHA256 = '04335b7df2e7f3999acbd8724678f4f372bbf6ac760d8a3ed7f62473efb49266'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -2017,7 +2017,8 @@ def grouped_mm_kernel():
         path = _kernel_path(compiler, flags)
         if not os.path.exists(path):
             _build_kernel(compiler, flags, path)
-        function = ctypes.CDLL(path).codegen_grouped_mm
+        library = ctypes.CDLL(path)
+        function = library.codegen_grouped_mm
     except (OSError, subprocess.SubprocessError) as exc:
         why = " ".join(str(exc).split())[:200] or type(exc).__name__
         print(f"codegen policy: the grouped-matmul kernel cannot be built here ({why}); the experts run torch's "
@@ -2027,7 +2028,7 @@ def grouped_mm_kernel():
     function.argtypes = [ptr, i64, i64, ptr, ctypes.c_int, i64, i64, i64, ptr, ctypes.c_int, i64, i64, i64, ptr, i64,
                          ctypes.c_int]
     function.restype = i64
-    fused = ctypes.CDLL(path).codegen_fused_experts
+    fused = library.codegen_fused_experts
     fused.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, i64, i64, ptr, i64,
                       ptr, i64, ctypes.c_int, ctypes.c_float, ctypes.c_float, ptr, ptr, i64, ctypes.c_int]
     fused.restype = i64
@@ -2261,7 +2262,7 @@ def use_fused_experts(blocks, layout):
 
 
 def fused_module_count(model):
-    """How many experts modules of `model` run the op (tests and the bench read it)."""
+    """How many experts modules of `model` run the op (what the tests check)."""
     return sum(1 for m in model.modules() if getattr(m, FUSED_ATTR, None) is not None)
 
 

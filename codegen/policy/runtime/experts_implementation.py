@@ -148,5 +148,5 @@ def use_fused_experts(blocks, layout):
 
 
 def fused_module_count(model):
-    """How many experts modules of `model` run the op (tests and the bench read it)."""
+    """How many experts modules of `model` run the op (what the tests check)."""
     return sum(1 for m in model.modules() if getattr(m, FUSED_ATTR, None) is not None)

@@ -421,7 +421,8 @@ def grouped_mm_kernel():
         path = _kernel_path(compiler, flags)
         if not os.path.exists(path):
             _build_kernel(compiler, flags, path)
-        function = ctypes.CDLL(path).codegen_grouped_mm
+        library = ctypes.CDLL(path)
+        function = library.codegen_grouped_mm
     except (OSError, subprocess.SubprocessError) as exc:
         why = " ".join(str(exc).split())[:200] or type(exc).__name__
         print(f"codegen policy: the grouped-matmul kernel cannot be built here ({why}); the experts run torch's "
@@ -431,7 +432,7 @@ def grouped_mm_kernel():
     function.argtypes = [ptr, i64, i64, ptr, ctypes.c_int, i64, i64, i64, ptr, ctypes.c_int, i64, i64, i64, ptr, i64,
                          ctypes.c_int]
     function.restype = i64
-    fused = ctypes.CDLL(path).codegen_fused_experts
+    fused = library.codegen_fused_experts
     fused.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, i64, i64, ptr, i64,
                       ptr, i64, ctypes.c_int, ctypes.c_float, ctypes.c_float, ptr, ptr, i64, ctypes.c_int]
     fused.restype = i64
