@@ -37,6 +37,11 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    from codegen.harness.examples import families_with
+
+    unknown = sorted(set(args.families) - set(families_with(args.size)))
+    if unknown:
+        parser.error(f"no {args.size} example of {', '.join(unknown)} (one of: {' '.join(families_with(args.size))})")
     dtype_name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     with tempfile.TemporaryDirectory(prefix="codegen-compiled-decode-") as scratch:
         root = args.workdir or Path(scratch)
@@ -55,12 +60,12 @@ def main() -> int:
             copy_with_linked_weights(unpatched, patched)
             patch_dir(patched)
             rows += time_family(family, unpatched, patched, args.device, getattr(torch, dtype_name))
-        record = {"script": "scripts/compiled_decode_bench.py", "device": args.device, "dtype": dtype_name,
-                  "size": args.size, "torch": torch.__version__, "machine": machine_info(args.device),
-                  **({"gpu": torch.cuda.get_device_name()} if args.device == "cuda" else {}),
-                  "prompt_len": PROMPT_LEN, "steps": STEPS, "rows": rows}
-    if args.json:
-        args.json.write_text(json.dumps(record, indent=1) + "\n")
+            record = {"script": "scripts/compiled_decode_bench.py", "device": args.device, "dtype": dtype_name,
+                      "size": args.size, "torch": torch.__version__, "machine": machine_info(args.device),
+                      **({"gpu": torch.cuda.get_device_name()} if args.device == "cuda" else {}),
+                      "prompt_len": PROMPT_LEN, "steps": STEPS, "rows": rows}
+            if args.json:  # after each family: a run stopped part way keeps the families it finished
+                args.json.write_text(json.dumps(record, indent=1) + "\n")
     return 0
 
 
