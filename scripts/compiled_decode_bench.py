@@ -1,8 +1,8 @@
 """A patched dir's decode step in one process, eager against compiled, on any device (a GPU included).
 
 `python -m codegen bench` compares tensor-parallel setups across ranks (--tp 2 at least); this times what one rank
-runs, so it also runs where there is one GPU: per family, a random example checkpoint (codegen.harness.examples) is
-patched and loaded under its generated policy (`init_inference(model, tp_size=1)`, a group of one), then its
+runs, so it also runs where there is one GPU: per family, a random example checkpoint and its patched copy
+(codegen.harness.prepare.prepare_examples) are built, the patched one loaded under its generated policy (`init_inference(model, tp_size=1)`, a group of one), then its
 prefill and its decode steps (transformers' dynamic cache, greedy tokens fed back) are timed eager and compiled
 (`CompiledForward`, what `compile=True` installs). Prints per row the milliseconds per prefill and per decode step
 (median of the timed ones), the first prefill and first decode step compiled (cold: inductor's caches under a fresh
@@ -48,22 +48,17 @@ def main() -> int:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor-cache"))
         import torch
 
-        from codegen.harness.examples import build_example
-        from codegen.harness.prepare import patch_dir
+        from codegen.harness.prepare import Progress, prepare_examples
         from codegen.harness.results import machine_info
-        from codegen.modeldir.outcopy import copy_with_linked_weights
 
-        rows = []
-        for family in args.families:
-            unpatched, patched = root / family / "unpatched", root / family / "patched"
-            build_example(family, unpatched, size=args.size, dtype=dtype_name)
-            copy_with_linked_weights(unpatched, patched)
-            patch_dir(patched)
-            rows += time_family(family, unpatched, patched, args.device, getattr(torch, dtype_name))
-            record = {"script": "scripts/compiled_decode_bench.py", "device": args.device, "dtype": dtype_name,
-                      "size": args.size, "torch": torch.__version__, "machine": machine_info(args.device),
-                      **({"gpu": torch.cuda.get_device_name()} if args.device == "cuda" else {}),
-                      "prompt_len": PROMPT_LEN, "steps": STEPS, "rows": rows}
+        dirs = prepare_examples(tuple(args.families), args.size, root, Progress(), dtype=dtype_name)
+        record = {"script": "scripts/compiled_decode_bench.py", "device": args.device, "dtype": dtype_name,
+                  "size": args.size, "torch": torch.__version__, "machine": machine_info(args.device),
+                  **({"gpu": torch.cuda.get_device_name()} if args.device == "cuda" else {}),
+                  "prompt_len": PROMPT_LEN, "steps": STEPS, "rows": []}
+        for family, built in dirs.items():
+            record["rows"] += time_family(family, built["unpatched"], built["patched"], args.device,
+                                          getattr(torch, dtype_name))
             if args.json:  # after each family: a run stopped part way keeps the families it finished
                 args.json.write_text(json.dumps(record, indent=1) + "\n")
     return 0
