@@ -2,14 +2,15 @@
 
 `python -m codegen bench` compares tensor-parallel setups across ranks (--tp 2 at least); this times what one rank
 runs, so it also runs where there is one GPU: per family, a random example checkpoint and its patched copy
-(codegen.harness.prepare.prepare_examples) are built, the patched one loaded under its generated policy (`init_inference(model, tp_size=1)`, a group of one), then its
-prefill and its decode steps (transformers' dynamic cache, greedy tokens fed back) are timed eager and compiled
-(`CompiledForward`, what `compile=True` installs). Prints per row the milliseconds per prefill and per decode step
-(median of the timed ones), the first prefill and first decode step compiled (cold: inductor's caches under a fresh
-`TORCHINDUCTOR_CACHE_DIR` unless one is set), the graphs captured, and the largest prefill logits differences:
-eager against the unpatched model (loaded as transformers loads it, same device and dtype), compiled against
-eager.
-Usage: python scripts/compiled_decode_bench.py [--device cuda] [--families F ...] [--size tiny|bench|full] [--json OUT]
+(codegen.harness.prepare.prepare_examples) are built, the patched one loaded under its generated policy
+(`init_inference(model, tp_size=1)`, a group of one), then its prefill and its decode steps (transformers' dynamic
+cache, greedy tokens fed back) are timed eager and compiled (`CompiledForward`, what `compile=True` installs).
+Prints per row the milliseconds per prefill and per decode step (median of the timed ones), the first prefill and
+first decode step compiled (cold: inductor's caches under a fresh `TORCHINDUCTOR_CACHE_DIR` unless one is set), the
+graphs captured, and the largest prefill logits differences: eager against the unpatched model (loaded as
+transformers loads it, same device and dtype), compiled against eager.
+Usage: python scripts/compiled_decode_bench.py [--device cuda] [--families F ...] [--size tiny|bench|full]
+                                              [--json OUT]
 """
 
 from __future__ import annotations
