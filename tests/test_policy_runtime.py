@@ -2098,3 +2098,30 @@ def test_a_forward_torch_compile_would_break_runs_eager_with_one_line(capsys):
     assert compiled.fallback and compiled.graphs == [] and compiled.ran["graphs"] == 0
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "cannot capture the forward as one graph" in lines[0] and "running eager" in lines[0]
+
+
+
+# ----------------------------------------------------------------------- CUDA ranks' attention (cuda_attention.py)
+@pytest.fixture
+def attention_switches():
+    """torch's process-wide attention switches, restored after the test."""
+    cuda = torch.backends.cuda
+    saved = (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.cudnn_sdp_enabled())
+    yield cuda
+    cuda.enable_flash_sdp(saved[0]), cuda.enable_mem_efficient_sdp(saved[1]), cuda.enable_cudnn_sdp(saved[2])
+
+
+def test_a_cuda_rank_turns_cudnn_attention_off_and_a_cpu_rank_leaves_it(attention_switches):
+    cuda = attention_switches
+    cuda.enable_flash_sdp(True), cuda.enable_mem_efficient_sdp(True), cuda.enable_cudnn_sdp(True)
+    assert rt.cudnn_attention_off(torch.device("cpu")) is None and cuda.cudnn_sdp_enabled()
+    note = rt.cudnn_attention_off(torch.device("cuda", 0))
+    assert "cuDNN's attention turned off" in note and not cuda.cudnn_sdp_enabled()
+    assert cuda.flash_sdp_enabled() and cuda.mem_efficient_sdp_enabled()  # only cuDNN's switch changes
+    assert rt.cudnn_attention_off(torch.device("cuda", 0)) is None  # already off: nothing to say
+
+
+def test_a_users_choice_of_cudnn_attention_alone_stands(attention_switches):
+    cuda = attention_switches
+    cuda.enable_flash_sdp(False), cuda.enable_mem_efficient_sdp(False), cuda.enable_cudnn_sdp(True)
+    assert rt.cudnn_attention_off(torch.device("cuda", 0)) is None and cuda.cudnn_sdp_enabled()

@@ -37,7 +37,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'granitemoe_swa', 'moe_classes': ['GraniteMoeSWAMoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': [], 'routers': ['router'], 'attention_replicated': [], 'attention_head_params': ['sinks'], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['block_sparse_moe'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'intermediate_size'], 'linear_attention': None, 'whole_modules': ['GraniteMoeSWAMLP']}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_granitemoe_swa'
-RUNTIME_SHA256 = '04335b7df2e7f3999acbd8724678f4f372bbf6ac760d8a3ed7f62473efb49266'
+RUNTIME_SHA256 = '811ae7b0381eba28e3b4a7eb21bbeca877ccea611395d7548a83054b55a42e83'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -2580,6 +2580,34 @@ def compile_forward(model, rank=0):
     return compiled
 
 
+# ---- codegen/policy/runtime/cuda_attention.py ----
+"""The attention kernel a CUDA rank runs: not cuDNN's, which plans anew for every key length.
+
+torch (2.11, H200, bfloat16) ranks cuDNN's scaled-dot-product attention first on recent GPUs, and cuDNN builds an
+execution plan for each new shape. A decode step's key length grows by one every step, so every step meets new
+shapes: one step of the toy Qwen3-MoE dir (4 layers) spent 70 of its 88 ms of host time in that setup while the GPU
+worked 0.6 ms (docs/gpu/h200-decode-profile.md), the unpatched model alike. Flash and memory-efficient attention take
+any length without a plan. So a process whose rank is on a CUDA device runs with cuDNN's attention off, where one of
+those two is on (torch then picks among what stays on; a user who left cuDNN's alone on keeps it). It is a switch of
+the process, as torch's own, not one around the forward: torch.compile cannot trace it inside a captured graph.
+"""
+
+import torch
+
+
+def cudnn_attention_off(device):
+    """Turn cuDNN's attention off for this process where `device` is a CUDA device and flash or memory-efficient
+    attention is on; a one-line note of what changed, or None."""
+    cuda = torch.backends.cuda
+    if device.type != "cuda" or not cuda.cudnn_sdp_enabled():
+        return None
+    if not (cuda.flash_sdp_enabled() or cuda.mem_efficient_sdp_enabled()):
+        return None
+    cuda.enable_cudnn_sdp(False)
+    return ("CUDA: cuDNN's attention turned off in this process (it plans anew for each key length: tens of ms a "
+            "decode step); flash or memory-efficient attention runs")
+
+
 # ---- codegen/policy/runtime/entry.py ----
 """`init_inference`: shard a codegen-patched MoE model with DeepSpeed AutoTP and reduce once per MoE layer.
 
@@ -2703,10 +2731,10 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
             setattr(block, REDUCER_ATTR, reducer)
     keep_whole(whole, engine.module, deepspeed_kwargs["dtype"])
     notes.append(use_fused_experts(blocks, layout))
+    device = _device_of(engine.module)
     if world > 1:
-        keep_in_lockstep(engine.module, dist, group, _device_of(engine.module))
-    if _device_of(engine.module).type == "cpu":
-        notes.append(malloc_note())
+        keep_in_lockstep(engine.module, dist, group, device)
+    notes.append(malloc_note() if device.type == "cpu" else cudnn_attention_off(device))
     say(dist.get_rank(), notes)
     return engine
 

@@ -17,6 +17,7 @@ from codegen.policy.runtime.attention import (check_replicated, detach_full_widt
 from codegen.policy.runtime.base import PATCH_MARKER, REDUCER_ATTR, SUPPORTED_DEEPSPEED, PolicyError, attribute, \
     expert_paths
 from codegen.policy.runtime.compiled import compile_forward
+from codegen.policy.runtime.cuda_attention import cudnn_attention_off
 from codegen.policy.runtime.experts import row_layer_policy, shard_experts
 from codegen.policy.runtime.experts_implementation import use_fused_experts
 from codegen.policy.runtime.environment import (destroy_group_at_exit, launcher_notes, local_ranks, malloc_note,
@@ -137,10 +138,10 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
             setattr(block, REDUCER_ATTR, reducer)
     keep_whole(whole, engine.module, deepspeed_kwargs["dtype"])
     notes.append(use_fused_experts(blocks, layout))
+    device = _device_of(engine.module)
     if world > 1:
-        keep_in_lockstep(engine.module, dist, group, _device_of(engine.module))
-    if _device_of(engine.module).type == "cpu":
-        notes.append(malloc_note())
+        keep_in_lockstep(engine.module, dist, group, device)
+    notes.append(malloc_note() if device.type == "cpu" else cudnn_attention_off(device))
     say(dist.get_rank(), notes)
     return engine
 
