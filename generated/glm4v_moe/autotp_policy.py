@@ -40,7 +40,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'glm4v_moe', 'moe_classes': ['Glm4vMoeTextMoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': ['visual'], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_glm4v_moe'
-RUNTIME_SHA256 = '811ae7b0381eba28e3b4a7eb21bbeca877ccea611395d7548a83054b55a42e83'
+RUNTIME_SHA256 = 'e0381ad0aec1f02c999185f1cc59ca389cefcf6bf5561b12258586f2a7017d08'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -2602,7 +2602,8 @@ def cudnn_attention_off(device):
     """Turn cuDNN's attention off for this process where `device` is a CUDA device and flash or memory-efficient
     attention is on; a one-line note of what changed, or None."""
     cuda = torch.backends.cuda
-    if device.type != "cuda" or not cuda.cudnn_sdp_enabled():
+    cudnn_on = getattr(cuda, "cudnn_sdp_enabled", lambda: False)  # a torch older than cuDNN's attention has none
+    if device.type != "cuda" or not cudnn_on():
         return None
     if not (cuda.flash_sdp_enabled() or cuda.mem_efficient_sdp_enabled()):
         return None

@@ -16,7 +16,8 @@ def cudnn_attention_off(device):
     """Turn cuDNN's attention off for this process where `device` is a CUDA device and flash or memory-efficient
     attention is on; a one-line note of what changed, or None."""
     cuda = torch.backends.cuda
-    if device.type != "cuda" or not cuda.cudnn_sdp_enabled():
+    cudnn_on = getattr(cuda, "cudnn_sdp_enabled", lambda: False)  # a torch older than cuDNN's attention has none
+    if device.type != "cuda" or not cudnn_on():
         return None
     if not (cuda.flash_sdp_enabled() or cuda.mem_efficient_sdp_enabled()):
         return None
