@@ -2100,7 +2100,6 @@ def test_a_forward_torch_compile_would_break_runs_eager_with_one_line(capsys):
     assert len(lines) == 1 and "cannot capture the forward as one graph" in lines[0] and "running eager" in lines[0]
 
 
-
 # ----------------------------------------------------------------------- CUDA ranks' attention (cuda_attention.py)
 @pytest.fixture
 def attention_switches():
