@@ -4,11 +4,10 @@
 # transformers, DeepSpeed and codegen importable by python3; where a `.whl` dir holds them as wheels (and
 # DeepSpeed's sdist) for a machine with no index, they are installed from it first. With one GPU the tensor-parallel
 # group is one rank (NCCL takes one rank per GPU): the reductions are not exercised, the CUDA paths are.
-# DEVICE=cpu SIZE=tiny PY=.venv/bin/python runs the same on the CPU, to try it before a GPU lease; FAMILIES names the
-# toy decode bench's families.
+# DEVICE=cpu SIZE=tiny PY=.venv/bin/python runs the same on the CPU, to try it before a GPU lease; FAMILIES (if set)
+# names the toy decode bench's families, in place of that script's default.
 set -u
 DEVICE=${DEVICE:-cuda}; SIZE=${SIZE:-bench}; OUT=${OUT:-/tmp/codegen-gpu-check}; mkdir -p "$OUT"
-FAMILIES=${FAMILIES:-qwen3_moe gpt_oss}
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore TRANSFORMERS_VERBOSITY=error HF_HUB_OFFLINE=1
 if [[ $DEVICE == cuda && -d .whl ]]; then
@@ -39,7 +38,7 @@ t0=$SECONDS
 timeout 150 $PY -m codegen generate "$W/qwen3_moe" --tp 1 --device $DEVICE --compile --max-tokens 12 --json --prompt "The capital of France is" > $OUT/generate.log 2>&1
 echo "generate --compile: rc=$? $((SECONDS - t0)) s"; tail -3 $OUT/generate.log
 t0=$SECONDS
-timeout 220 $PY scripts/compiled_decode_bench.py --device $DEVICE --families $FAMILIES --size $SIZE --json $OUT/decode-$SIZE.json 2>&1 | grep -v -i "warn\|output = func\|Loading weights\|Writing model" | tee $OUT/decode-$SIZE.log
+timeout 220 $PY scripts/compiled_decode_bench.py --device $DEVICE ${FAMILIES:+--families $FAMILIES} --size $SIZE --json $OUT/decode-$SIZE.json 2>&1 | grep -v -i "warn\|output = func\|Loading weights\|Writing model" | tee $OUT/decode-$SIZE.log
 echo "decode bench: $((SECONDS - t0)) s"
 if [[ $DEVICE == cuda ]]; then
     t0=$SECONDS
