@@ -30,7 +30,7 @@ from codegen.harness.worker.counting import per_block_counts
 from codegen.harness.worker.limits import RoutingRecorder, inventory
 from codegen.harness.worker.model_figures import (block_groups, cache_of, decoder_layers, moe_blocks,
                                                   nested_in_blocks, param_bytes)
-from codegen.harness.worker.reference import Reference, agree, relative
+from codegen.harness.worker.reference import Reference, agree, relative, release_heap
 from codegen.harness.worker.run import LABELS, CompiledView, Run, dry_run, guarded
 
 #: the ab phase's setups, in load order: codegen first (its load briefly holds the whole checkpoint, freed
@@ -74,7 +74,11 @@ def _load_setups(run: Run, job: dict, opts: dict, ids, wanted: list[str]) -> tup
                 continue
             models[mode] = model
         record[mode] = {"load_s": time.perf_counter() - t0}
+        # the loader's whole-checkpoint transient, freed: once the policy has kept freed blocks for reuse (glibc's
+        # mallopt, the first codegen load of a rank), a later job's transient stays in the heap and the next setup
+        # loads beside it (a full-width run was killed for memory at its second job, ranks ~5 GB over the plan)
         gc.collect()
+        release_heap()
     return models, record, crashes
 
 
