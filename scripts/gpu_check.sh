@@ -38,10 +38,10 @@ t0=$SECONDS
 timeout 150 $PY -m codegen generate "$W/qwen3_moe" --tp 1 --device $DEVICE --compile --max-tokens 12 --json --prompt "The capital of France is" > $OUT/generate.log 2>&1
 echo "generate --compile: rc=$? $((SECONDS - t0)) s"; tail -3 $OUT/generate.log
 t0=$SECONDS
-timeout 220 $PY scripts/compiled_decode_bench.py --device $DEVICE ${FAMILIES:+--families $FAMILIES} --size $SIZE --json $OUT/decode-$SIZE.json 2>&1 | grep -v -i "warn\|output = func\|Loading weights\|Writing model" | tee $OUT/decode-$SIZE.log
+timeout 300 $PY scripts/compiled_decode_bench.py --device $DEVICE ${FAMILIES:+--families $FAMILIES} --size $SIZE --json $OUT/decode-$SIZE.json 2>&1 | tee $OUT/decode-$SIZE.raw.log | grep -v -i "warn\|output = func\|Loading weights\|Writing model" | tee $OUT/decode-$SIZE.log
 echo "decode bench: $((SECONDS - t0)) s"
 if [[ $DEVICE == cuda ]]; then
     t0=$SECONDS
-    timeout 300 $PY scripts/compiled_decode_bench.py --device cuda --families qwen3_moe --size full --json $OUT/decode-full.json 2>&1 | grep -v -i "warn\|output = func\|Loading weights\|Writing model" | tee $OUT/decode-full.log
+    timeout 330 $PY scripts/compiled_decode_bench.py --device cuda --families qwen3_moe --size full --json $OUT/decode-full.json 2>&1 | tee $OUT/decode-full.raw.log | grep -v -i "warn\|output = func\|Loading weights\|Writing model" | tee $OUT/decode-full.log
     echo "decode bench full: $((SECONDS - t0)) s"
 fi

@@ -2100,6 +2100,54 @@ def test_a_forward_torch_compile_would_break_runs_eager_with_one_line(capsys):
     assert len(lines) == 1 and "cannot capture the forward as one graph" in lines[0] and "running eager" in lines[0]
 
 
+def test_only_a_cuda_decode_step_on_a_static_cache_runs_as_a_cuda_graph():
+    """The CUDA-graph entry takes fixed shapes only: a decode step (one token per row) on a cache updated in place.
+    On the CPU, a prefill, or a growing cache: the compiled forward as before."""
+    from transformers import DynamicCache, Qwen3MoeConfig, StaticCache
+
+    config = Qwen3MoeConfig(num_hidden_layers=1, hidden_size=8, num_attention_heads=2, num_key_value_heads=1,
+                            head_dim=4)
+    static, dynamic, token = StaticCache(config=config, max_cache_len=4), DynamicCache(config=config), torch.ones(
+        1, 1, dtype=torch.long)
+    assert rt.static_cache_step((), {"input_ids": token, "cache": static}) is False  # on the CPU
+    assert rt.static_cache_step((token,), {"past_key_values": dynamic}) is False
+    assert rt.static_cache_step((torch.ones(1, 3, dtype=torch.long),), {"cache": static}) is False
+    assert rt.step_cache({"past_key_values": dynamic}) is dynamic and rt.step_cache({"cache": static}) is static
+
+
+def test_a_static_cache_filled_inside_a_compiled_prefill_gets_fixed_addresses():
+    """transformers marks a static cache's tensors for CUDA graphs as it allocates them, except while compiling (a
+    compiled rank's prefill): the compiled forward marks what is left unmarked before a CUDA-graph step."""
+    from transformers import Qwen3MoeConfig, StaticCache
+
+    config = Qwen3MoeConfig(num_hidden_layers=2, hidden_size=8, num_attention_heads=2, num_key_value_heads=1,
+                            head_dim=4)
+    cache = StaticCache(config=config, max_cache_len=4)
+    cache.update(torch.randn(1, 1, 2, 4), torch.randn(1, 1, 2, 4), layer_idx=0)  # layer 1 stays uninitialized
+    layer = cache.layers[0]
+    for tensor in (layer.keys, layer.values, layer.cumulative_length):
+        del tensor._dynamo_static_input_type  # as a compiled region leaves them
+    rt.mark_static_cache(cache)
+    assert [t._dynamo_static_input_type for t in (layer.keys, layer.values, layer.cumulative_length)] == [
+        "unguarded"] * 3
+    assert not cache.layers[1].is_initialized
+
+
+def test_a_cuda_graphs_outputs_are_handed_over_as_copies_and_transformers_own_compile_stays_off():
+    """A CUDA graph's next replay overwrites its outputs: the caller gets copies (the cache object as it is). And a
+    compiled model's `generate` must not compile `__call__` again around the policy's graphs."""
+    from transformers import GenerationConfig
+
+    logits, cache = torch.randn(2, 3), object()
+    out = rt._own_outputs({"logits": logits, "cache": cache})
+    assert torch.equal(out["logits"], logits) and out["logits"].data_ptr() != logits.data_ptr()
+    assert out["cache"] is cache
+    model = _Tiny()
+    model.generation_config = GenerationConfig()
+    rt.compile_forward(model)
+    assert model.generation_config.disable_compile is True
+
+
 # ----------------------------------------------------------------------- CUDA ranks' attention (cuda_attention.py)
 @pytest.fixture
 def attention_switches():

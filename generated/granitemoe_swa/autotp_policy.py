@@ -37,7 +37,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'granitemoe_swa', 'moe_classes': ['GraniteMoeSWAMoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': [], 'routers': ['router'], 'attention_replicated': [], 'attention_head_params': ['sinks'], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['block_sparse_moe'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'intermediate_size'], 'linear_attention': None, 'whole_modules': ['GraniteMoeSWAMLP']}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_granitemoe_swa'
-RUNTIME_SHA256 = 'e0381ad0aec1f02c999185f1cc59ca389cefcf6bf5561b12258586f2a7017d08'
+RUNTIME_SHA256 = 'a739a92b6ab51dacb7f0d4def02c075feed3204cf8d450ed652d6869bf1be547'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -2283,6 +2283,11 @@ Two more are rewritten where inductor's CPU lowering of them is slow: a row gath
 `codegen::take_rows`, and a matmul of a batch of strided rows by a matrix (DeepSpeed's LM-head shard,
 `x[..., shard] @ W.T`) takes its rows contiguous first, so that it is one matmul rather than a batched one.
 
+On CUDA, a decode step whose KV cache is static (transformers' `StaticCache`: fixed shapes, updated in place) runs
+as a CUDA graph (inductor's CUDA graph trees): the step's kernels replay in one launch instead of one Python launch
+each, which is what remains of a compiled GPU decode step. Prefill, and a decode step on a growing (dynamic) cache,
+whose shapes change every call, run as inductor graphs without.
+
 A forward is captured as one graph or runs eager (`fullgraph=True`). Each captured graph's collectives are counted
 as it is captured (`CompiledForward.graphs`) and added up as it runs (`CompiledForward.ran`), so a compiled rank's
 reductions per forward are checked in the graphs that actually ran: a forward whose count is the eager model's ran
@@ -2457,11 +2462,14 @@ class CapturedGraphs:
     """The torch.compile backend of a compiled rank: each captured graph has its ops swapped (`swap_ops`) and its
     collectives counted, then goes to inductor. `graphs` holds one record per graph captured (a recompilation adds
     one); `ran` adds up, as the graphs run, how many ran and the collectives they issued (`reset_ran` zeroes it):
-    what a forward issued, whichever of the graphs its shapes and arguments selected."""
+    what a forward issued, whichever of the graphs its shapes and arguments selected. `cuda_graphs`: a graph whose
+    inputs are on a CUDA device runs as a CUDA graph; `records`: the backend whose records this one adds to (one
+    forward's graphs counted together, whichever backend captured them)."""
 
-    def __init__(self):
-        self.graphs = []
-        self.ran = {"graphs": 0, "all_reduces": 0, "other_collectives": 0}
+    def __init__(self, cuda_graphs: bool = False, records: "CapturedGraphs | None" = None):
+        self.cuda_graphs = cuda_graphs
+        self.graphs = [] if records is None else records.graphs
+        self.ran = {"graphs": 0, "all_reduces": 0, "other_collectives": 0} if records is None else records.ran
 
     def reset_ran(self):
         self.ran.update(graphs=0, all_reduces=0, other_collectives=0)
@@ -2473,9 +2481,12 @@ class CapturedGraphs:
         graph_module.graph.lint()
         graph_module.recompile()
         reduces, others = graph_collectives(graph_module.graph)
-        self.graphs.append({"all_reduces": reduces, "other_collectives": others, **{f"swapped_{k}": v
-                                                                                    for k, v in swapped.items()}})
-        compiled, ran = compile_fx(graph_module, example_inputs), self.ran
+        graphed = self.cuda_graphs and any(isinstance(t, torch.Tensor) and t.device.type == "cuda"
+                                           for t in example_inputs)
+        self.graphs.append({"all_reduces": reduces, "other_collectives": others, "cuda_graph": graphed,
+                            **{f"swapped_{k}": v for k, v in swapped.items()}})
+        patches = {"triton.cudagraphs": True} if graphed else None
+        compiled, ran = compile_fx(graph_module, example_inputs, config_patches=patches), self.ran
 
         def run(*args):
             ran["graphs"] += 1
@@ -2524,14 +2535,51 @@ def _own_entries():
             "options": {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}}
 
 
+def step_cache(kwargs):
+    """The KV cache a forward call was given (transformers 5.x: `cache`; before, and still taken: `past_key_values`)."""
+    return kwargs.get("cache", kwargs.get("past_key_values"))
+
+
+def static_cache_step(args, kwargs):
+    """Whether a forward call is a CUDA decode step on a static cache: one new token per row, on a CUDA device, the
+    cache a fixed-shape one transformers updates in place (`is_compileable`, not the growing `DynamicCache`)."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    cache = step_cache(kwargs)
+    return (isinstance(ids, torch.Tensor) and ids.device.type == "cuda" and ids.dim() == 2 and ids.shape[1] == 1
+            and bool(getattr(cache, "is_compileable", False)) and type(cache).__name__ != "DynamicCache")
+
+
+def mark_static_cache(cache):
+    """Mark a static cache's tensors as fixed addresses for CUDA graphs. transformers marks them when it allocates
+    them, except inside a compiled region, which a compiled rank's prefill is: unmarked, a CUDA graph would copy
+    every layer's cache in and out at each step (or not run as one)."""
+    for layer in getattr(cache, "layers", ()):
+        if not getattr(layer, "is_initialized", False):
+            continue
+        for tensor in (layer.keys, layer.values, getattr(layer, "cumulative_length", None)):
+            if isinstance(tensor, torch.Tensor) and not hasattr(tensor, "_dynamo_static_input_type"):
+                torch._dynamo.mark_static_address(tensor)
+
+
+def _own_outputs(output):
+    """A CUDA graph's outputs live in its memory pool and its next replay overwrites them: the caller gets copies
+    (a decode step's logits: one small copy), the cache object as it is."""
+    if isinstance(output, dict):
+        for key, value in list(output.items()):
+            if isinstance(value, torch.Tensor):
+                output[key] = value.clone()
+    return output
+
+
 class CompiledForward:
     """A model's forward, compiled for this rank: `torch.compile` with dynamic shapes, so one graph serves every
-    batch size, prompt length and cache length past the first and a rank does not recompile per request. `graphs`
+    batch size, prompt length and cache length past the first and a rank does not recompile per request. On CUDA,
+    decode steps on a static cache are captured apart and replay as CUDA graphs (`cuda_graphs=False`: not). `graphs`
     are the records of the graphs captured so far. Where torch.compile cannot capture the forward as one graph, it
     runs eager from then on (`fallback` says why, once, on stderr): every rank fails alike, at capture, before any
     collective."""
 
-    def __init__(self, model, rank=0):
+    def __init__(self, model, rank=0, cuda_graphs=True):
         register_ops()
         importable(globals())
         own = _own_entries()
@@ -2545,6 +2593,9 @@ class CompiledForward:
         # one graph per forward or none: a forward torch.compile would break into pieces (transformers 4.x's loop over
         # the experts a batch routed to: 15-29 graphs, eager Python between them) ran slower than eager (measured)
         self.compiled = torch.compile(self.eager, backend=self.backend, dynamic=True, fullgraph=True, **own)
+        # a second entry of its own: torch's guards tell the backends apart, so a prefill never runs a CUDA graph
+        self.graphed = (torch.compile(self.eager, backend=CapturedGraphs(cuda_graphs=True, records=self.backend),
+                                      dynamic=True, fullgraph=True, **own) if cuda_graphs else None)
         self.rank = rank
         self.fallback = None
 
@@ -2559,6 +2610,10 @@ class CompiledForward:
     def __call__(self, *args, **kwargs):
         if self.fallback is None:
             try:
+                if self.graphed is not None and static_cache_step(args, kwargs):
+                    mark_static_cache(step_cache(kwargs))
+                    torch.compiler.cudagraph_mark_step_begin()
+                    return _own_outputs(self.graphed(*args, **kwargs))
                 return self.compiled(*args, **kwargs)
             except torch._dynamo.exc.TorchDynamoException as exc:
                 self.fallback = " ".join(str(exc).split())[:300] or type(exc).__name__
@@ -2577,6 +2632,11 @@ def compile_forward(model, rank=0):
     """Make `model.forward` (and so its `generate`) run compiled; returns the `CompiledForward`."""
     compiled = CompiledForward(model, rank)
     model.forward = compiled.as_forward()
+    config = getattr(model, "generation_config", None)
+    if config is not None:
+        # transformers' `generate` compiles `__call__` itself where the cache is static on CUDA: that would capture
+        # this forward again, by inductor as it is, without this part's ops (the reductions among them)
+        config.disable_compile = True
     return compiled
 
 
