@@ -117,7 +117,8 @@ def time_family(family: str, unpatched: Path, directory: Path, device: str, dtyp
         print(f"{'':12s} static cache: prefill {static['prefill_ms']:8.2f} ms   decode {static['decode_ms']:7.2f} ms "
               f"({row['decode_speedup_static']:.2f}x)   first prefill/decode {static['first_prefill_ms'] / 1e3:.1f}/"
               f"{static['first_decode_ms'] / 1e3:.1f} s   graphs +{row['graphs_captured_static']} "
-              f"({row['cuda_graphs']} for CUDA graphs, {row['cuda_graph_skips']} skipped)   max|dlogits| vs eager {row['maxdiff_static_vs_eager']:.3g}, "
+              f"({row['cuda_graphs']} for CUDA graphs, {row['cuda_graph_skips']} skipped)   "
+              f"max|dlogits| vs eager {row['maxdiff_static_vs_eager']:.3g}, "
               f"decode steps vs compiled {row['maxdiff_static_decode_vs_compiled']:.3g}", flush=True)
     return rows
 
