@@ -43,7 +43,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'axk2', 'moe_classes': ['AXK2MoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': ['q_a_proj', 'kv_a_proj_with_mqa', 'indexer'], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': ['q_gate_proj'], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size'], 'linear_attention': None, 'whole_modules': ['AXK2GatedRMSNorm']}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_axk2'
-RUNTIME_SHA256 = 'a739a92b6ab51dacb7f0d4def02c075feed3204cf8d450ed652d6869bf1be547'
+RUNTIME_SHA256 = '45d0f6c7a6826e2b68e8168c4f998d096669b9fa55d95022a1a88933d974dc97'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -2580,12 +2580,11 @@ def _own_outputs(output):
 class CompiledForward:
     """A model's forward, compiled for this rank: `torch.compile` with dynamic shapes, so one graph serves every
     batch size, prompt length and cache length past the first and a rank does not recompile per request. On CUDA,
-    decode steps on a static cache are captured apart and replay as CUDA graphs (`cuda_graphs=False`: not). `graphs`
-    are the records of the graphs captured so far. Where torch.compile cannot capture the forward as one graph, it
-    runs eager from then on (`fallback` says why, once, on stderr): every rank fails alike, at capture, before any
-    collective."""
+    decode steps on a static cache are captured apart and replay as CUDA graphs. `graphs` are the records of the
+    graphs captured so far. Where torch.compile cannot capture the forward as one graph, it runs eager from then on
+    (`fallback` says why, once, on stderr): every rank fails alike, at capture, before any collective."""
 
-    def __init__(self, model, rank=0, cuda_graphs=True):
+    def __init__(self, model, rank=0):
         register_ops()
         importable(globals())
         own = _own_entries()
@@ -2600,8 +2599,8 @@ class CompiledForward:
         # the experts a batch routed to: 15-29 graphs, eager Python between them) ran slower than eager (measured)
         self.compiled = torch.compile(self.eager, backend=self.backend, dynamic=True, fullgraph=True, **own)
         # a second entry of its own: torch's guards tell the backends apart, so a prefill never runs a CUDA graph
-        self.graphed = (torch.compile(self.eager, backend=CapturedGraphs(cuda_graphs=True, records=self.backend),
-                                      dynamic=True, fullgraph=True, **own) if cuda_graphs else None)
+        self.graphed = torch.compile(self.eager, backend=CapturedGraphs(cuda_graphs=True, records=self.backend),
+                                     dynamic=True, fullgraph=True, **own)
         self.rank = rank
         self.fallback = None
 
@@ -2616,7 +2615,7 @@ class CompiledForward:
     def __call__(self, *args, **kwargs):
         if self.fallback is None:
             try:
-                if self.graphed is not None and static_cache_step(args, kwargs):
+                if static_cache_step(args, kwargs):
                     mark_static_cache(step_cache(kwargs))
                     torch.compiler.cudagraph_mark_step_begin()
                     return _own_outputs(self.graphed(*args, **kwargs))

@@ -77,7 +77,6 @@ def _load_setups(run: Run, job: dict, opts: dict, ids, wanted: list[str]) -> tup
         # the loader's whole-checkpoint transient, freed: once the policy has kept freed blocks for reuse (glibc's
         # mallopt, the first codegen load of a rank), a later job's transient stays in the heap and the next setup
         # loads beside it (a full-width run was killed for memory at its second job, ranks ~5 GB over the plan)
-        gc.collect()
         release_heap()
     return models, record, crashes
 

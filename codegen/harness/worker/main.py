@@ -87,7 +87,6 @@ def run_job(run: Run, job: dict, defaults: dict, timings: dict) -> dict:
                 out[phase] = measure_compiled(job, run, opts, ids, ref, timings)
             else:
                 out[phase] = measure_built(phase, job, run, opts, ids, ref, timings)
-        gc.collect()
         release_heap()
         timings[f"{name}/{phase}_s"] = time.perf_counter() - t
     return out

@@ -66,7 +66,6 @@ class Reference:
         self.shapes = {n: tuple(p.shape) for n, p in named}
         self.param_bytes = {n: p.numel() * p.element_size() for n, p in named}
         del model, out
-        gc.collect()
         release_heap()
         self.baseline = (single_process_error(run, directory, ids, self)
                          if decode_steps and run.dtype != torch.float32 else None)
@@ -123,7 +122,9 @@ def agree(x: torch.Tensor, ref: torch.Tensor) -> tuple[int, int]:
 
 
 def release_heap() -> None:
-    """Hand freed heap pages back to the OS (glibc keeps them otherwise): the next job's models need them."""
+    """Free what is unreachable, then hand freed heap pages back to the OS (glibc keeps them otherwise): the next
+    job's models need them."""
+    gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):

@@ -311,12 +311,11 @@ def _own_outputs(output):
 class CompiledForward:
     """A model's forward, compiled for this rank: `torch.compile` with dynamic shapes, so one graph serves every
     batch size, prompt length and cache length past the first and a rank does not recompile per request. On CUDA,
-    decode steps on a static cache are captured apart and replay as CUDA graphs (`cuda_graphs=False`: not). `graphs`
-    are the records of the graphs captured so far. Where torch.compile cannot capture the forward as one graph, it
-    runs eager from then on (`fallback` says why, once, on stderr): every rank fails alike, at capture, before any
-    collective."""
+    decode steps on a static cache are captured apart and replay as CUDA graphs. `graphs` are the records of the
+    graphs captured so far. Where torch.compile cannot capture the forward as one graph, it runs eager from then on
+    (`fallback` says why, once, on stderr): every rank fails alike, at capture, before any collective."""
 
-    def __init__(self, model, rank=0, cuda_graphs=True):
+    def __init__(self, model, rank=0):
         register_ops()
         importable(globals())
         own = _own_entries()
@@ -331,8 +330,8 @@ class CompiledForward:
         # the experts a batch routed to: 15-29 graphs, eager Python between them) ran slower than eager (measured)
         self.compiled = torch.compile(self.eager, backend=self.backend, dynamic=True, fullgraph=True, **own)
         # a second entry of its own: torch's guards tell the backends apart, so a prefill never runs a CUDA graph
-        self.graphed = (torch.compile(self.eager, backend=CapturedGraphs(cuda_graphs=True, records=self.backend),
-                                      dynamic=True, fullgraph=True, **own) if cuda_graphs else None)
+        self.graphed = torch.compile(self.eager, backend=CapturedGraphs(cuda_graphs=True, records=self.backend),
+                                     dynamic=True, fullgraph=True, **own)
         self.rank = rank
         self.fallback = None
 
@@ -347,7 +346,7 @@ class CompiledForward:
     def __call__(self, *args, **kwargs):
         if self.fallback is None:
             try:
-                if self.graphed is not None and static_cache_step(args, kwargs):
+                if static_cache_step(args, kwargs):
                     mark_static_cache(step_cache(kwargs))
                     torch.compiler.cudagraph_mark_step_begin()
                     return _own_outputs(self.graphed(*args, **kwargs))
