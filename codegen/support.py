@@ -65,6 +65,9 @@ def _rules(family: Family) -> str:
         parts.append("each block one mixer (attention, MoE or dense MLP), one reduction at most")
     if family.attention_replicated:
         parts.append(f"{_code(family.attention_replicated)} replicated")
+    if family.latent_attention is not None:
+        parts.append(f"MLA decode absorbed (`{family.latent_attention.up_projection}` on the query and output, "
+                     "not the latent cache; where the source caches the latent)")
     if family.attention_head_params:
         parts.append(f"{_code(family.attention_head_params)} split by head")
     if family.full_width_norms:

@@ -8,7 +8,7 @@ examples and the measured stock AutoTP figures are test and bench data, kept bes
 
 from __future__ import annotations
 
-from dataclasses import InitVar, dataclass, field, fields
+from dataclasses import InitVar, asdict, dataclass, field, fields
 
 from codegen.policy.runtime.base import FUSED_GATE_UP_ROWS, GATE_SILU
 
@@ -199,6 +199,21 @@ class Wrapper:
 
 
 @dataclass(frozen=True)
+class LatentAttention:
+    """Multi-head latent attention (MLA) whose cache holds the compressed latent: the policy decodes it absorbed
+    (codegen.policy.runtime.latent_attention), where the source expands the cache through `expand` (transformers
+    5.x); the other names are the attention module's attributes, transformers' own across its MLA families."""
+
+    #: the method that expands the cached latent into every head's keys and values
+    expand: str = "expand_kv"
+    #: the up-projection it expands through (split by heads under tensor parallelism)
+    up_projection: str = "kv_b_proj"
+    #: the attention module's attributes holding a head's no-position key width and its value width
+    nope_width: str = "qk_nope_head_dim"
+    value_width: str = "v_head_dim"
+
+
+@dataclass(frozen=True)
 class LinearAttention:
     """The linear-attention token mixer of a hybrid decoder (gated delta-net: Qwen3-Next, Qwen3.5): the policy shards
     it by key-head groups itself, out of DeepSpeed's sight.
@@ -363,6 +378,9 @@ class Family:
     wrapper: Wrapper | None = None
     #: the linear-attention layers of a hybrid decoder (None: attention layers only)
     linear_attention: LinearAttention | None = None
+    #: multi-head latent attention decoded absorbed (None: as the source runs it). Not for a DSA indexer's layers:
+    #: their forward picks its mask by the attention implementation's name, which absorbing changes
+    latent_attention: LatentAttention | None = None
     #: transformers releases whose source the regression matrix covers (also quoted in errors); the first is the
     #: first release that shipped the family
     known_good: tuple[str, ...] = ()
@@ -485,6 +503,7 @@ class Family:
             **({"block_reductions": list(self.block_reductions)} if self.block_reductions else {}),
             **({"identity_experts": list(self.identity_experts)} if self.identity_experts else {}),
             **({"expert_sets": list(self.expert_sets)} if self.expert_sets else {}),
+            **({"latent_attention": asdict(self.latent_attention)} if self.latent_attention else {}),
         }
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from codegen.families.kinds import ANCHOR_RETURNED_ROUTED, ANCHOR_RETURNED_SUM, ANCHOR_ROUTED_STATEMENT, \
     ANCHOR_SHARED_INPLACE_SUM, HEADS_AND_WIDTHS, IMAGE_FLAT_PATCHES, IMAGE_PATCH_ROWS, IMAGE_POSITIONED_PATCHES, \
-    IMAGE_SIZED, IMAGE_WHOLE, Alias, Family, FusedExperts, Legacy, LinearAttention, MoELayers, PerExpertMLP, \
-    QuantizedForm, Wrapper, table
+    IMAGE_SIZED, IMAGE_WHOLE, Alias, Family, FusedExperts, Legacy, LatentAttention, LinearAttention, \
+    MoELayers, PerExpertMLP, QuantizedForm, Wrapper, table
 from codegen.policy.runtime.base import FUSED_FLAT_ROWS, FUSED_GATE_UP_HALVES_COLS, FUSED_GATE_UP_INTERLEAVED_COLS, \
     FUSED_UP_ROWS, GATE_CLAMPED_SWIGLU
 
@@ -22,6 +22,8 @@ _DEEPSEEK_MOE = dict(shared_experts=("shared_experts",), num_experts_keys=("n_ro
 _GROUPS = ("n_group", "topk_group")
 #: MLA attention's low-rank inputs: every rank needs them whole
 _MLA = ("q_a_proj", "kv_a_proj_with_mqa")
+#: MLA without a DSA indexer: its low-rank inputs whole, and its decode absorbed where the cache holds the latent
+_LATENT_MLA = dict(attention_replicated=_MLA, latent_attention=LatentAttention())
 #: the Qwen MoE block: one shared expert under its own sigmoid gate
 _QWEN_SHARED_EXPERT = dict(shared_experts=("shared_expert",), routers=("gate", "shared_expert_gate"),
                            num_experts_keys=("num_experts",))
@@ -103,7 +105,7 @@ FAMILIES: dict[str, Family] = table(
     ),
     Family(
         model_type="deepseek_v2", config_class="DeepseekV2Config", moe_classes=("DeepseekV2Moe", "DeepseekV2MoE"),
-        **_DEEPSEEK_MOE, attention_replicated=_MLA, layers=_DEEPSEEK_LAYERS,
+        **_DEEPSEEK_MOE, **_LATENT_MLA, layers=_DEEPSEEK_LAYERS,
         known_good=("4.54.0", "4.54.1", "4.55.4", "4.57.6", "5.0.0", "5.24.0", _HUB_DEEPSEEK),
         remote_code_fixtures=("hub_deepseek",),
     ),
@@ -122,7 +124,7 @@ FAMILIES: dict[str, Family] = table(
     ),
     Family(
         model_type="deepseek_v3", config_class="DeepseekV3Config", moe_classes=("DeepseekV3MoE",),
-        **_DEEPSEEK_MOE, more_positive_ints=_GROUPS, attention_replicated=_MLA, layers=_DEEPSEEK_LAYERS,
+        **_DEEPSEEK_MOE, more_positive_ints=_GROUPS, **_LATENT_MLA, layers=_DEEPSEEK_LAYERS,
         known_good=("4.51.0", "4.51.3", "4.54.1", "4.55.4", "4.57.6", "5.0.0", "5.24.0", _HUB_DEEPSEEK),
         remote_code_fixtures=("hub_kimi_k2",),
     ),
@@ -144,7 +146,7 @@ FAMILIES: dict[str, Family] = table(
     ),
     Family(
         model_type="glm4_moe_lite", config_class="Glm4MoeLiteConfig", moe_classes=("Glm4MoeLiteMoE",),
-        **_DEEPSEEK_MOE, more_positive_ints=_GROUPS, attention_replicated=_MLA, layers=_LAYER_TYPES,
+        **_DEEPSEEK_MOE, more_positive_ints=_GROUPS, **_LATENT_MLA, layers=_LAYER_TYPES,
         known_good=("5.0.0", "5.24.0"),
     ),
     Family(
@@ -167,7 +169,7 @@ FAMILIES: dict[str, Family] = table(
         # are the mistral3 wrapper): the patched dir names it under both
         auto_classes={"AutoModelForImageTextToText": "Mistral4ForCausalLM",
                       "AutoModelForCausalLM": "Mistral4ForCausalLM", "AutoModel": "Mistral4Model"},
-        **_DEEPSEEK_MOE, more_positive_ints=(*_GROUPS, "head_dim"), attention_replicated=_MLA, layers=_FIRST_DENSE,
+        **_DEEPSEEK_MOE, more_positive_ints=(*_GROUPS, "head_dim"), **_LATENT_MLA, layers=_FIRST_DENSE,
         known_good=("5.4.0", "5.24.0"),
     ),
     Family(
@@ -284,7 +286,7 @@ FAMILIES: dict[str, Family] = table(
     ),
     Family(
         model_type="kimi_k25", config_class="Kimi_K25Config", moe_classes=("DeepseekV3MoE",),
-        **_DEEPSEEK_MOE, more_positive_ints=_GROUPS, attention_replicated=_MLA, layers=_DEEPSEEK_LAYERS,
+        **_DEEPSEEK_MOE, more_positive_ints=_GROUPS, **_LATENT_MLA, layers=_DEEPSEEK_LAYERS,
         wrapper=Wrapper(replicated=("vision_tower", "mm_projector"), text_model="DeepseekV3Model",
                         text_family="deepseek_v3", image_input=IMAGE_PATCH_ROWS,
                         image_start_key="vision_start_token_id", image_end_key="vision_end_token_id"),
@@ -465,7 +467,7 @@ FAMILIES: dict[str, Family] = table(
     Family(
         model_type="kimi_linear", config_class="KimiLinearConfig", moe_classes=("KimiLinearMoE",),
         shared_experts=("shared_experts",), num_experts_keys=("num_experts", "num_local_experts"),
-        top_k_keys=("num_experts_per_token", "num_experts_per_tok"), attention_replicated=_MLA, layers=_LAYER_TYPES,
+        top_k_keys=("num_experts_per_token", "num_experts_per_tok"), **_LATENT_MLA, layers=_LAYER_TYPES,
         # Kimi delta attention (its linear layers): per-head short convolutions, a forget gate and a norm within the
         # heads, under the `self_attn` of the MLA layers; the MLA layers split by heads
         whole_modules=("KimiLinearDeltaAttention",),
@@ -504,7 +506,7 @@ FAMILIES: dict[str, Family] = table(
         model_type="bailing_hybrid", config_class="BailingHybridConfig", moe_classes=("BailingHybridMoE",),
         shared_experts=("shared_experts",), num_experts_keys=("num_experts", "num_local_experts"),
         top_k_keys=("num_experts_per_token", "num_experts_per_tok"), more_positive_ints=("head_dim",),
-        attention_replicated=_MLA, layers=_LAYER_TYPES,
+        **_LATENT_MLA, layers=_LAYER_TYPES,
         # the MLA layers' output gate, one row per head
         attention_head_linears=("g_proj",),
         # Kimi-style delta attention (its linear layers) whole; the MLA layers split by heads
@@ -533,7 +535,7 @@ FAMILIES: dict[str, Family] = table(
         tp_divisible_keys=("num_attention_heads", "num_key_value_heads", "expert_ffn_hidden_size", "ffn_hidden_size"),
         # each layer: two MLA sublayers (`self_attn`, a ModuleList; their low-rank inputs whole), two dense MLPs
         # (`mlps`) and the shortcut MoE (`mlp`), added after the second MLP
-        attention_replicated=_MLA, dense_mlp_attrs=("mlps",), sublayers=2, layers=MoELayers(count="num_layers"),
+        **_LATENT_MLA, dense_mlp_attrs=("mlps",), sublayers=2, layers=MoELayers(count="num_layers"),
         known_good=("4.57.1", "4.57.6", "5.0.0", "5.24.0"),
     ),
     Family(
@@ -585,7 +587,7 @@ FAMILIES: dict[str, Family] = table(
     ),
     Family(
         model_type="axk1", config_class="AXK1Config", moe_classes=("AXK1MoE",), **_DEEPSEEK_MOE,
-        more_positive_ints=_GROUPS, attention_replicated=_MLA, layers=_LAYER_TYPES,
+        more_positive_ints=_GROUPS, **_LATENT_MLA, layers=_LAYER_TYPES,
         known_good=("5.15.0", "5.24.0"),
     ),
     Family(

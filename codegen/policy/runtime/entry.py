@@ -23,6 +23,7 @@ from codegen.policy.runtime.experts_implementation import use_fused_experts
 from codegen.policy.runtime.environment import (destroy_group_at_exit, launcher_notes, local_ranks, malloc_note,
                                                 thread_note)
 from codegen.policy.runtime.groups import CoalescedAllReduce, TensorParallelGroups, route_inference_reductions
+from codegen.policy.runtime.latent_attention import absorb_latent_attention, latent_attention_modules
 from codegen.policy.runtime.linear_attention import (detach_linear_attention, linear_attention_modules,
                                                      shard_linear_attention)
 from codegen.policy.runtime.lockstep import keep_in_lockstep
@@ -138,6 +139,8 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
             setattr(block, REDUCER_ATTR, reducer)
     keep_whole(whole, engine.module, deepspeed_kwargs["dtype"])
     notes.append(use_fused_experts(blocks, layout))
+    if coalesce:  # knob off: stock behaviour, the cache expanded at every step
+        notes.append(absorb_latent_attention(latent_attention_modules(engine.module, layout), layout))
     device = _device_of(engine.module)
     if world > 1:
         keep_in_lockstep(engine.module, dist, group, device)
