@@ -211,6 +211,9 @@ class LatentAttention:
     #: the attention module's attributes holding a head's no-position key width and its value width
     nope_width: str = "qk_nope_head_dim"
     value_width: str = "v_head_dim"
+    #: the keyword a DSA layer passes its indexer's top-k keys under to an attention that is not eager or sdpa
+    #: (which it otherwise folds into the mask itself): the absorbed step folds them in
+    selected_keys: str = "indices"
 
 
 @dataclass(frozen=True)
@@ -378,8 +381,8 @@ class Family:
     wrapper: Wrapper | None = None
     #: the linear-attention layers of a hybrid decoder (None: attention layers only)
     linear_attention: LinearAttention | None = None
-    #: multi-head latent attention decoded absorbed (None: as the source runs it). Not for a DSA indexer's layers:
-    #: their forward picks its mask by the attention implementation's name, which absorbing changes
+    #: multi-head latent attention decoded absorbed (None: as the source runs it). Only where the module's attention
+    #: is transformers' plain softmax(q k^T) v (no sinks): the absorbed step computes that one
     latent_attention: LatentAttention | None = None
     #: transformers releases whose source the regression matrix covers (also quoted in errors); the first is the
     #: first release that shipped the family

@@ -22,8 +22,12 @@ _DEEPSEEK_MOE = dict(shared_experts=("shared_experts",), num_experts_keys=("n_ro
 _GROUPS = ("n_group", "topk_group")
 #: MLA attention's low-rank inputs: every rank needs them whole
 _MLA = ("q_a_proj", "kv_a_proj_with_mqa")
-#: MLA without a DSA indexer: its low-rank inputs whole, and its decode absorbed where the cache holds the latent
-_LATENT_MLA = dict(attention_replicated=_MLA, latent_attention=LatentAttention())
+#: MLA decoded absorbed where the cache holds the latent
+_LATENT = LatentAttention()
+#: MLA: its low-rank inputs whole, its decode absorbed
+_LATENT_MLA = dict(attention_replicated=_MLA, latent_attention=_LATENT)
+#: MLA with a DSA indexer (whole on every rank too), its decode absorbed
+_LATENT_DSA = dict(attention_replicated=(*_MLA, "indexer"), latent_attention=_LATENT)
 #: the Qwen MoE block: one shared expert under its own sigmoid gate
 _QWEN_SHARED_EXPERT = dict(shared_experts=("shared_expert",), routers=("gate", "shared_expert_gate"),
                            num_experts_keys=("num_experts",))
@@ -153,13 +157,13 @@ FAMILIES: dict[str, Family] = table(
         model_type="deepseek_v32", config_class="DeepseekV32Config", moe_classes=("DeepseekV32MoE",),
         **_DEEPSEEK_MOE, more_positive_ints=_GROUPS,
         # the DSA indexer takes top-k over the sum of all its heads: every rank needs all of them
-        attention_replicated=(*_MLA, "indexer"),
+        **_LATENT_DSA,
         layers=MoELayers(types="mlp_layer_types", first_dense="first_k_dense_replace"),
         known_good=("5.11.0", "5.24.0"),
     ),
     Family(
         model_type="glm_moe_dsa", config_class="GlmMoeDsaConfig", moe_classes=("GlmMoeDsaMoE",),
-        **_DEEPSEEK_MOE, more_positive_ints=_GROUPS, attention_replicated=(*_MLA, "indexer"),
+        **_DEEPSEEK_MOE, more_positive_ints=_GROUPS, **_LATENT_DSA,
         layers=MoELayers(types="mlp_layer_types", first_dense="first_k_dense_replace"),
         known_good=("5.2.0", "5.24.0"),
     ),
@@ -437,7 +441,7 @@ FAMILIES: dict[str, Family] = table(
         model_type="mistral_large4", config_class="MistralLarge4Config", moe_classes=("MistralLarge4TextMoE",),
         **_DEEPSEEK_MOE, more_positive_ints=(*_GROUPS, "head_dim"),
         # MLA without a q LoRA (its latent input kv_a_proj_with_mqa whole) and a DSA indexer, whole on every rank
-        attention_replicated=(*_MLA, "indexer"), layers=_FIRST_DENSE,
+        **_LATENT_DSA, layers=_FIRST_DENSE,
         # the attention's per-head query scaling (log-position scale and bias per head): cut with the heads
         attention_head_params=("softmax_scaling.scale", "softmax_scaling.bias"),
         wrapper=Wrapper(replicated=("vision_tower", "multi_modal_projector"), text_model="MistralLarge4TextModel",
@@ -475,7 +479,7 @@ FAMILIES: dict[str, Family] = table(
     ),
     Family(
         model_type="glm5_next", config_class="Glm5NextConfig", moe_classes=("Glm5NextTextMoE",),
-        **_DEEPSEEK_MOE, more_positive_ints=_GROUPS, attention_replicated=(*_MLA, "indexer"), layers=_LAYER_TYPES,
+        **_DEEPSEEK_MOE, more_positive_ints=_GROUPS, **_LATENT_DSA, layers=_LAYER_TYPES,
         # Kimi delta attention (its linear layers) whole; the MLA/DSA layers split by heads, their indexer whole; the
         # hyper-connections hold no linear DeepSpeed shards
         whole_modules=("Glm5NextTextLinearAttention",),
@@ -499,6 +503,7 @@ FAMILIES: dict[str, Family] = table(
         # the attention output gate, one row block per head, and the sinks, one per head, cut with the heads; the
         # hyper-connections (attn_hc, ffn_hc, hc_head) hold no linear DeepSpeed shards
         attention_replicated=(*_MLA, "indexer"), attention_head_linears=("gate_proj",),
+        # (sinks join the softmax inside its attention function: its decode stays expanded, not absorbed)
         attention_head_params=("sinks",),
         known_good=("5.17.0", "5.24.0"),
     ),
@@ -602,7 +607,7 @@ FAMILIES: dict[str, Family] = table(
         more_positive_ints=("gated_norm_rank",),
         # MLA without q_b_proj, its latent inputs and DSA indexer whole; q_gate_proj's rows are per head ([q | gate]
         # each), which DeepSpeed would cut in grain-sized steps (its name holds `gate_proj`): cut by the heads instead
-        attention_replicated=(*_MLA, "indexer"), attention_head_linears=("q_gate_proj",), layers=_LAYER_TYPES,
+        **_LATENT_DSA, attention_head_linears=("q_gate_proj",), layers=_LAYER_TYPES,
         # the decoder layer's gated RMSNorms (a low-rank fc1/fc2 gate over the whole hidden state) whole
         whole_modules=("AXK2GatedRMSNorm",),
         known_good=("5.15.0", "5.24.0"),

@@ -37,7 +37,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'granitemoe_swa', 'moe_classes': ['GraniteMoeSWAMoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': [], 'routers': ['router'], 'attention_replicated': [], 'attention_head_params': ['sinks'], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['block_sparse_moe'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'intermediate_size'], 'linear_attention': None, 'whole_modules': ['GraniteMoeSWAMLP']}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_granitemoe_swa'
-RUNTIME_SHA256 = 'c922546591ca59ceb22db70b80bb38999f65595e3f5d9f768a66c044e57e13be'
+RUNTIME_SHA256 = '6e6f3e4b7492f4468bcc1bf0a287245bb7f4cd13c80803672bb7fa76e4f76779'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -1312,7 +1312,11 @@ model was loaded with: there one expansion serves every query token, cheaper tha
 
 The attention module keeps its own forward: its `expand_kv` hands the cache's latent and rotary key through, and its
 config (a copy: the model's mask building still reads the original) names `codegen_absorbed_mla`, registered with
-transformers' `AttentionInterface`, which the forward looks up for its attention call.
+transformers' `AttentionInterface`, which the forward looks up for its attention call. A DSA layer (an indexer picking
+each query's top-k keys) then hands its selection over as a keyword instead of folding it into the mask, as it does
+for any attention but eager and sdpa: the absorbed call folds it in the same way. What the step computes is
+transformers' plain softmax(q k^T * scaling + mask) v; a family whose attention adds more inside (sinks) is not
+absorbed (the family table decides).
 """
 
 import copy
@@ -1323,7 +1327,7 @@ import torch
 #: the attention implementation an absorbed module's config names (registered with transformers once per process)
 ABSORBED_ATTENTION = "codegen_absorbed_mla"
 #: the attribute holding what an absorbed module needs: the implementation it was loaded with, the eager fallback,
-#: its up-projection's attribute, and a head's no-position key and value widths
+#: its up-projection's attribute, a head's no-position key and value widths, and the keyword of a DSA selection
 _LOADED_WITH = "_codegen_loaded_attention"
 #: implementations whose inputs (keys and values as tensors, masks as tensors or None) the absorbed step can take
 _ABSORBABLE = ("eager", "sdpa")
@@ -1384,7 +1388,7 @@ def absorb_latent_attention(modules, layout):
             _LATENT_CLASSES[base] = _latent_class(base, spec)
         setattr(module, _LOADED_WITH, (module.config._attn_implementation, fallbacks[base], spec["up_projection"],
                                        int(getattr(module, spec["nope_width"])),
-                                       int(getattr(module, spec["value_width"]))))
+                                       int(getattr(module, spec["value_width"])), spec["selected_keys"]))
         if id(module.config) not in configs:
             own = copy.copy(module.config)
             own._attn_implementation_internal = ABSORBED_ATTENTION
@@ -1398,13 +1402,29 @@ def absorb_latent_attention(modules, layout):
 def absorbed_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """The attention call of an absorbed module: `key` is the cache's latent [b, 1, T, rank], `value` its rotary
     key [b, 1, T, rope]; `query` [b, heads, s, nope + rope] as transformers built it. Returns [b, s, heads, v]."""
-    loaded, eager, up_projection, nope, value_width = getattr(module, _LOADED_WITH)
+    loaded, eager, up_projection, nope, value_width, selection = getattr(module, _LOADED_WITH)
+    selected = kwargs.pop(selection, None)
+    if selected is not None:
+        attention_mask = with_selected_keys(attention_mask, selected, key.shape[2], query.dtype)
     if query.shape[2] != 1:  # prefill: expand once, attend as loaded
         keys, values = module._codegen_expand(key, value)
         attend = eager if loaded == "eager" else torch_attention(loaded)
         return attend(module, query, keys, values, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     return absorbed_decode(query, key, value, attention_mask, scaling, module._modules[up_projection].weight, nope,
                            value_width)
+
+
+def with_selected_keys(attention_mask, selected, length, dtype):
+    """The mask with only a DSA indexer's selected keys visible ([b, s, top-k] key positions; -1 or out of range:
+    none), in the mask's own form: what a DSA layer folds in itself before an eager or sdpa attention."""
+    valid = selected.ge(0) & selected.lt(length)
+    counts = torch.zeros(*selected.shape[:2], length, dtype=torch.int32, device=selected.device)
+    visible = counts.scatter_add_(-1, selected.long().clamp(0, length - 1), valid.to(torch.int32)).ne(0).unsqueeze(1)
+    if attention_mask is None:
+        return visible
+    if attention_mask.dtype == torch.bool:
+        return attention_mask[..., :length] & visible
+    return attention_mask[..., :length].masked_fill(~visible, torch.finfo(dtype).min)
 
 
 def torch_attention(name):
