@@ -1,4 +1,4 @@
-"""One MLA decode step, expanded (transformers' own) and absorbed (the policy's), at DeepSeek-V2-Lite's published widths.
+"""One MLA decode step, expanded (transformers' own) and absorbed (the policy's), at DeepSeek-V2-Lite's widths.
 
 The bench's full-width DeepSeek-V2-Lite-like model (2 layers, random weights, float32), in one process on the
 threads torch picks, eager: a prefill of CONTEXT tokens per sequence, then decode steps on its cache, timed with the

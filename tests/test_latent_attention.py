@@ -56,6 +56,7 @@ def test_absorbed_decode_gives_the_expanded_logits(family, implementation):
         return
     assert "decode absorbed" in note, note
     assert {m.config._attn_implementation for _, m in modules} == {ABSORBED_ATTENTION}
+    assert absorb_latent_attention(latent_attention_modules(absorbed, layout), layout) is None  # once only
     text = getattr(config, "text_config", config)
     ids = torch.randint(0, text.vocab_size, (3, 6))
     mask = torch.ones_like(ids)

@@ -41,7 +41,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'qwen3_5_moe', 'moe_classes': ['Qwen3_5MoeSparseMoeBlock'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': ['shared_expert'], 'routers': ['gate', 'shared_expert_gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn', 'linear_attn'], 'replicated': ['visual'], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'linear_num_key_heads', 'linear_num_value_heads', 'moe_intermediate_size', 'shared_expert_intermediate_size'], 'linear_attention': {'attr': 'linear_attn', 'projections': [['in_proj_qkv', ['key_dim', 'key_dim', 'value_dim']], ['in_proj_z', []], ['in_proj_b', []], ['in_proj_a', []]], 'conv': 'conv1d', 'conv_segments': ['key_dim', 'key_dim', 'value_dim'], 'head_params': ['A_log', 'dt_bias'], 'output': 'out_proj', 'local_sizes': ['num_k_heads', 'num_v_heads', 'key_dim', 'value_dim', 'conv_dim']}}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_qwen3_5_moe'
-RUNTIME_SHA256 = '6e6f3e4b7492f4468bcc1bf0a287245bb7f4cd13c80803672bb7fa76e4f76779'
+RUNTIME_SHA256 = '647d70a83bd35dd7327e471297be8cb036b6874fbe81f406cd2d72aeea3b0e18'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -1353,10 +1353,10 @@ def _latent_class(base, spec):
     """A subclass of the attention class whose expansion hands the cached latent and rotary key through as they
     are; the absorbed attention call expands them itself where it must (prefill)."""
 
-    def expand_kv(self, latent, rotary):
+    def latent_through(self, latent, rotary):
         return latent, rotary
 
-    cls = type(f"AbsorbedLatent[{base.__name__}]", (base,), {spec["expand"]: expand_kv,
+    cls = type(f"AbsorbedLatent[{base.__name__}]", (base,), {spec["expand"]: latent_through,
                                                              "_codegen_expand": getattr(base, spec["expand"])})
     cls.__module__ = base.__module__
     return cls
@@ -1369,8 +1369,10 @@ def absorb_latent_attention(modules, layout):
     """Every module of `modules` decodes absorbed; returns the start's note (None where there are none).
 
     The modules must have been loaded with eager or sdpa attention (their inputs are the tensors the absorbed step
-    takes); any other implementation keeps transformers' expansion, and the note says so.
+    takes); any other implementation keeps transformers' expansion, and the note says so. A module absorbed already
+    (a second `init_inference` on the same model) is left as it is.
     """
+    modules = [(name, module) for name, module in modules if not hasattr(module, _LOADED_WITH)]
     if not modules:
         return None
     spec = layout["latent_attention"]
@@ -1399,8 +1401,8 @@ def absorb_latent_attention(modules, layout):
             configs[id(module.config)] = own
         module.config = configs[id(module.config)]
         module.__class__ = _LATENT_CLASSES[base]
-    return (f"latent attention: {len(modules)} layers decode absorbed (`{spec['up_projection']}` applied to the query and "
-            "the output, not to the cache)")
+    return (f"latent attention: {len(modules)} layers decode absorbed (`{spec['up_projection']}` applied to the query "
+            "and the output, not to the cache)")
 
 
 def absorbed_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):

@@ -53,10 +53,10 @@ def _latent_class(base, spec):
     """A subclass of the attention class whose expansion hands the cached latent and rotary key through as they
     are; the absorbed attention call expands them itself where it must (prefill)."""
 
-    def expand_kv(self, latent, rotary):
+    def latent_through(self, latent, rotary):
         return latent, rotary
 
-    cls = type(f"AbsorbedLatent[{base.__name__}]", (base,), {spec["expand"]: expand_kv,
+    cls = type(f"AbsorbedLatent[{base.__name__}]", (base,), {spec["expand"]: latent_through,
                                                              "_codegen_expand": getattr(base, spec["expand"])})
     cls.__module__ = base.__module__
     return cls
@@ -69,8 +69,10 @@ def absorb_latent_attention(modules, layout):
     """Every module of `modules` decodes absorbed; returns the start's note (None where there are none).
 
     The modules must have been loaded with eager or sdpa attention (their inputs are the tensors the absorbed step
-    takes); any other implementation keeps transformers' expansion, and the note says so.
+    takes); any other implementation keeps transformers' expansion, and the note says so. A module absorbed already
+    (a second `init_inference` on the same model) is left as it is.
     """
+    modules = [(name, module) for name, module in modules if not hasattr(module, _LOADED_WITH)]
     if not modules:
         return None
     spec = layout["latent_attention"]
@@ -99,8 +101,8 @@ def absorb_latent_attention(modules, layout):
             configs[id(module.config)] = own
         module.config = configs[id(module.config)]
         module.__class__ = _LATENT_CLASSES[base]
-    return (f"latent attention: {len(modules)} layers decode absorbed (`{spec['up_projection']}` applied to the query and "
-            "the output, not to the cache)")
+    return (f"latent attention: {len(modules)} layers decode absorbed (`{spec['up_projection']}` applied to the query "
+            "and the output, not to the cache)")
 
 
 def absorbed_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
