@@ -509,20 +509,30 @@ def summary_table(record_or_merged: dict) -> str:
                "AutoTP, (b) codegen, (f) codegen compiled, (d) transformers' native TP, (e) one process"
                + (", (v) vLLM's CPU engine" if peers else "") + "; collectives per MoE layer per decode step.")
     lines = [*textwrap.wrap(caption, 116, break_on_hyphens=False), "",
-             "| model | transformers | collectives / MoE layer, a / b / d | expert MiB / rank, a / b / d "
+             "| model | transformers, CPU | collectives / MoE layer, a / b / d | expert MiB / rank, a / b / d "
              "| decode tokens/s, a / b / f / d / e |" + (" end to end tokens/s, b / f / v |" if peers else ""),
              "|---|---|---|---|---|" + ("---|" if peers else "")]
     abd = ("stock", "codegen", "native")
     for rec, row in picked:
         e2e = _some(row, lambda f: format(f["e2e"]["tokens_per_s"], ".1f") if "e2e" in f else "–",
                     ("codegen", "compiled", PEER))
-        lines.append(f"| {label(row['family'])} | {rec['machine']['transformers']} | {_some(row, _per_layer, abd)} "
+        lines.append(f"| {label(row['family'])} | {rec['machine']['transformers']}, {cpu_name(rec['machine'])} "
+                     f"| {_some(row, _per_layer, abd)} "
                      f"| {_some(row, lambda f: format(f['param_bytes_per_rank']['experts'] / 2**20, '.0f'), abd)} "
                      f"| {_some(row, lambda f: format(f['decode_tokens_per_s'], '.1f'), ('stock', 'codegen', 'compiled', 'native', 'single'))} |"
                      + (f" {e2e} |" if peers else ""))
     compiled = _compile_summary(list(_rows(records)))
     return "\n".join(lines + ["", *textwrap.wrap(_limit_summary(picked), 116, break_on_hyphens=False)]
                      + (["", *textwrap.wrap(compiled, 116, break_on_hyphens=False)] if compiled else [])) + "\n"
+
+
+def cpu_name(machine: dict) -> str:
+    """A record's CPU in a few words (its model's family and widest vector flag): the summary lists several machines'
+    rows, which do not compare across machines."""
+    cpu = str(machine.get("cpu") or "")
+    family = next((name for name in ("Xeon", "EPYC", "Ryzen", "Core") if name in cpu), cpu.split(" ")[0] or "CPU")
+    flags = machine.get("cpu_flags") or []
+    return f"{family} {'AMX' if 'amx_tile' in flags else 'AVX-512' if 'avx512f' in flags else 'AVX2'}"
 
 
 def _compile_summary(rows: list[tuple[dict, dict]]) -> str:
