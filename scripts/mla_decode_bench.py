@@ -54,10 +54,7 @@ def main() -> None:
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(FAMILY, **shape(FAMILY, "full"))).eval()
     layout = FAMILIES[FAMILY].policy_layout()
-    rows = []
-    for batch in BATCHES:
-        for context in CONTEXTS:
-            rows.append({"batch": batch, "context": context})
+    rows = [{"batch": batch, "context": context} for batch in BATCHES for context in CONTEXTS]
     for row in rows:
         row["expanded_ms"], row["_logits"] = decode_ms(model, row["batch"], row["context"])
     note = absorb_latent_attention(latent_attention_modules(model, layout), layout)

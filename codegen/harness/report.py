@@ -516,7 +516,7 @@ def summary_table(record_or_merged: dict) -> str:
     for rec, row in picked:
         e2e = _some(row, lambda f: format(f["e2e"]["tokens_per_s"], ".1f") if "e2e" in f else "–",
                     ("codegen", "compiled", PEER))
-        lines.append(f"| {label(row['family'])} | {rec['machine']['transformers']}, {cpu_name(rec['machine'])} "
+        lines.append(f"| {label(row['family'])} | {rec['machine']['transformers']}, {_cpu_name(rec['machine'])} "
                      f"| {_some(row, _per_layer, abd)} "
                      f"| {_some(row, lambda f: format(f['param_bytes_per_rank']['experts'] / 2**20, '.0f'), abd)} "
                      f"| {_some(row, lambda f: format(f['decode_tokens_per_s'], '.1f'), ('stock', 'codegen', 'compiled', 'native', 'single'))} |"
@@ -526,7 +526,7 @@ def summary_table(record_or_merged: dict) -> str:
                      + (["", *textwrap.wrap(compiled, 116, break_on_hyphens=False)] if compiled else [])) + "\n"
 
 
-def cpu_name(machine: dict) -> str:
+def _cpu_name(machine: dict) -> str:
     """A record's CPU in a few words (its model's family and widest vector flag): the summary lists several machines'
     rows, which do not compare across machines."""
     cpu = str(machine.get("cpu") or "")

@@ -41,7 +41,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'deepseek_v2', 'moe_classes': ['DeepseekV2Moe', 'DeepseekV2MoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': ['q_a_proj', 'kv_a_proj_with_mqa'], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size'], 'linear_attention': None, 'latent_attention': {'expand': 'expand_kv', 'up_projection': 'kv_b_proj', 'nope_width': 'qk_nope_head_dim', 'value_width': 'v_head_dim', 'selected_keys': 'indices'}}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_deepseek_v2'
-RUNTIME_SHA256 = '647d70a83bd35dd7327e471297be8cb036b6874fbe81f406cd2d72aeea3b0e18'
+RUNTIME_SHA256 = '6fd4eb05724f4337a3fce4a5976f44e80cf384779c2a0b41609e792b8520ae89'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -1330,8 +1330,8 @@ import torch
 
 #: the attention implementation an absorbed module's config names (registered with transformers once per process)
 ABSORBED_ATTENTION = "codegen_absorbed_mla"
-#: the attribute holding what an absorbed module needs: the implementation it was loaded with, the eager fallback,
-#: its up-projection's attribute, a head's no-position key and value widths, and the keyword of a DSA selection
+#: the attribute holding what an absorbed module needs, resolved once: the attention function it was loaded with (its
+#: prefill's), its up-projection's attribute, a head's no-position key and value widths, and a DSA selection's keyword
 _LOADED_WITH = "_codegen_loaded_attention"
 #: implementations whose inputs (keys and values as tensors, masks as tensors or None) the absorbed step can take
 _ABSORBABLE = ("eager", "sdpa")
@@ -1385,6 +1385,7 @@ def absorb_latent_attention(modules, layout):
     if None in fallbacks.values():
         return "latent attention: not absorbed: its modeling module has no eager_attention_forward"
     from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     AttentionInterface.register(ABSORBED_ATTENTION, absorbed_attention)
     configs = {}
@@ -1392,8 +1393,9 @@ def absorb_latent_attention(modules, layout):
         base = type(module)
         if base not in _LATENT_CLASSES:
             _LATENT_CLASSES[base] = _latent_class(base, spec)
-        setattr(module, _LOADED_WITH, (module.config._attn_implementation, fallbacks[base], spec["up_projection"],
-                                       int(getattr(module, spec["nope_width"])),
+        implementation = module.config._attn_implementation
+        attend = fallbacks[base] if implementation == "eager" else ALL_ATTENTION_FUNCTIONS[implementation]
+        setattr(module, _LOADED_WITH, (attend, spec["up_projection"], int(getattr(module, spec["nope_width"])),
                                        int(getattr(module, spec["value_width"])), spec["selected_keys"]))
         if id(module.config) not in configs:
             own = copy.copy(module.config)
@@ -1408,13 +1410,12 @@ def absorb_latent_attention(modules, layout):
 def absorbed_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """The attention call of an absorbed module: `key` is the cache's latent [b, 1, T, rank], `value` its rotary
     key [b, 1, T, rope]; `query` [b, heads, s, nope + rope] as transformers built it. Returns [b, s, heads, v]."""
-    loaded, eager, up_projection, nope, value_width, selection = getattr(module, _LOADED_WITH)
+    attend, up_projection, nope, value_width, selection = getattr(module, _LOADED_WITH)
     selected = kwargs.pop(selection, None)
     if selected is not None:
         attention_mask = with_selected_keys(attention_mask, selected, key.shape[2], query.dtype)
     if query.shape[2] != 1:  # prefill: expand once, attend as loaded
         keys, values = module._codegen_expand(key, value)
-        attend = eager if loaded == "eager" else torch_attention(loaded)
         return attend(module, query, keys, values, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     return absorbed_decode(query, key, value, attention_mask, scaling, module._modules[up_projection].weight, nope,
                            value_width)
@@ -1431,12 +1432,6 @@ def with_selected_keys(attention_mask, selected, length, dtype):
     if attention_mask.dtype == torch.bool:
         return attention_mask[..., :length] & visible
     return attention_mask[..., :length].masked_fill(~visible, torch.finfo(dtype).min)
-
-
-def torch_attention(name):
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    return ALL_ATTENTION_FUNCTIONS[name]
 
 
 def absorbed_decode(query, latent, rotary, attention_mask, scaling, up_weight, nope, value_width):
