@@ -1742,7 +1742,7 @@ def test_compiled_ranks_swap_every_reduction_for_the_ordered_functional_op():
     graph.call_function(deepspeed_reduce, (b,))
     c = graph.call_function(fallback, (b, w, x))
     graph.output(c)
-    assert rt.swap_ops(graph) == {"all_reduce": 2, "grouped_mm": 1, "take_rows": 0, "matmul_folded": 0}
+    assert rt.swap_ops(graph) == {"all_reduce": 2, "grouped_mm": 1, "take_rows": 0, "linear_rows": 0, "matmul_folded": 0}
     graph.lint()
     reductions = [n for n in graph.nodes if n.target is torch.ops.codegen.tp_all_reduce.default]
     # each after the one before it: inductor cannot reorder them, so every rank issues them in one order
@@ -1773,7 +1773,7 @@ def test_compiled_ranks_gather_whole_rows_with_index_select():
     paired = graph.call_function(operator.getitem, (nodes["rows"], nodes["pairs"]))
     sliced = graph.call_function(operator.getitem, (nodes["rows"], slice(0, 2)))
     graph.output((gathered, masked, paired, sliced))
-    assert rt.swap_ops(graph) == {"all_reduce": 0, "grouped_mm": 0, "take_rows": 1, "matmul_folded": 0}
+    assert rt.swap_ops(graph) == {"all_reduce": 0, "grouped_mm": 0, "take_rows": 1, "linear_rows": 0, "matmul_folded": 0}
     assert gathered.target is torch.ops.codegen.take_rows.default
     assert all(n.target is operator.getitem for n in (masked, paired, sliced))
     module = torch.fx.GraphModule(torch.nn.Module(), graph)
@@ -1799,7 +1799,7 @@ def test_compiled_ranks_run_torchs_cpu_grouped_matmul_on_the_experts_kernel():
     to_float = graph.call_function(torch._grouped_mm, (nodes["rows"], nodes["weight"]),
                                    {"offs": nodes["ends"], "out_dtype": torch.float32})
     output = graph.output((grouped, to_float))
-    assert rt.swap_ops(graph) == {"all_reduce": 0, "grouped_mm": 1, "take_rows": 0, "matmul_folded": 0}
+    assert rt.swap_ops(graph) == {"all_reduce": 0, "grouped_mm": 1, "take_rows": 0, "linear_rows": 0, "matmul_folded": 0}
     graph.lint()
     assert grouped.target is torch.ops.codegen.grouped_mm.default and grouped.kwargs == {"offs": nodes["ends"]}
     assert to_float.target is torch._grouped_mm
@@ -1814,11 +1814,13 @@ def test_compiled_ranks_run_torchs_cpu_grouped_matmul_on_the_experts_kernel():
 def test_compiled_ranks_take_strided_rows_contiguous_before_a_matmul_by_a_matrix():
     """DeepSpeed's LM-head shard `x[..., shard] @ W.T`: its rows cannot be viewed as one matrix, so torch's matmul
     batches 1-row products, which inductor's CPU lowering runs as a loop reading W once per row. The rows are taken
-    contiguous first; rows that are already contiguous are left as they are."""
+    contiguous first; rows that are already contiguous are left as they are (bfloat16 here: a float32 product goes to
+    the dense kernel, which reads strided rows as they are)."""
     import operator
 
     rt.register_ops()
-    hidden, weight, batched = torch.randn(3, 1, 8), torch.randn(5, 4), torch.randn(3, 2, 4)
+    hidden, weight, batched = (torch.randn(3, 1, 8, dtype=torch.bfloat16), torch.randn(5, 4, dtype=torch.bfloat16),
+                               torch.randn(3, 2, 4, dtype=torch.bfloat16))
     graph = torch.fx.Graph()
     nodes = {}
     for name, value in (("hidden", hidden), ("weight", weight), ("batched", batched)):
@@ -1832,7 +1834,7 @@ def test_compiled_ranks_take_strided_rows_contiguous_before_a_matmul_by_a_matrix
     whole = graph.call_function(operator.matmul, (shard, transposed))
     dense = graph.call_function(torch.matmul, (nodes["batched"], transposed))  # contiguous rows: one matrix already
     graph.output((head, whole, dense))
-    assert rt.swap_ops(graph) == {"all_reduce": 0, "grouped_mm": 0, "take_rows": 0, "matmul_folded": 2}
+    assert rt.swap_ops(graph) == {"all_reduce": 0, "grouped_mm": 0, "take_rows": 0, "linear_rows": 0, "matmul_folded": 2}
     graph.lint()
     for node in (head, whole):
         assert node.args[0].op == "call_method" and node.args[0].target == "contiguous"
@@ -1913,6 +1915,72 @@ def test_the_experts_kernel_is_torchs_matmul_per_expert(layout, offs_dtype, thre
         assert torch.equal(got, want.to(dtype)) or torch.allclose(got.float(), want, atol=1e-3, rtol=2 ** -8)
     assert torch.equal(got[-2:], torch.zeros(2, out, dtype=dtype))
 
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 16, 17])
+def test_the_dense_kernel_is_torchs_linear(rows, threads):
+    """A decode step's 1..16 rows by an nn.Linear weight run in the C kernel's dense loop, with and without a bias, on
+    rows strided as DeepSpeed's LM-head shard takes them and on a weight that is a slice of a wider one; 17 rows
+    (prefill) and other dtypes are torch's own product, exactly."""
+    assert rt.grouped_mm_kernel() is not None, "the kernel did not build on this machine"
+    torch.manual_seed(0)
+    # 300 inputs: a chunk of 256 and a tail that is not a multiple of the 16 lanes; 45 outputs: blocks of 6 and a
+    # tail of 3
+    wide = torch.randn(45, 310)
+    weight, bias = wide[:, :300], torch.randn(45)
+    hidden = torch.randn(rows, 1, 320)
+    shard = hidden[..., 10:310]  # rows 320 floats apart, as x[..., shard] is
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = [rt.linear_rows(shard, weight, b) for b in (None, bias)]
+        half = rt.linear_rows(shard.bfloat16(), weight.bfloat16())
+    finally:
+        torch.set_num_threads(before)
+    for result, b in zip(got, (None, bias)):
+        want = torch.nn.functional.linear(shard, weight, b)
+        assert result.shape == (rows, 1, 45)
+        if rows > rt.SMALL_GROUP_ROWS:
+            assert torch.equal(result, want)
+        else:
+            assert torch.allclose(result, want, atol=1e-4, rtol=1e-5), (result - want).abs().max()
+    assert torch.equal(half, torch.nn.functional.linear(shard.bfloat16(), weight.bfloat16()))
+
+
+def test_compiled_ranks_run_float32_dense_products_on_the_dense_kernel():
+    """`F.linear(x, w, b)` and DeepSpeed's `x @ w.transpose(-1, -2)` in float32 on CPU become `codegen::linear_rows`
+    (with `w` taken back to (out, in)); a bfloat16 product and a product by a matrix whose rows are contiguous stay
+    as they are, and the graph computes what it did."""
+    rt.register_ops()
+    torch.manual_seed(0)
+    rows, weight, bias = torch.randn(4, 1, 32), torch.randn(24, 32), torch.randn(24)
+    matrix, half = torch.randn(32, 24), torch.randn(24, 32, dtype=torch.bfloat16)
+    graph = torch.fx.Graph()
+    nodes = {}
+    for name, value in (("rows", rows), ("weight", weight), ("bias", bias), ("matrix", matrix), ("half", half)):
+        nodes[name] = graph.placeholder(name)
+        nodes[name].meta["example_value"] = value
+    linear = graph.call_function(torch._C._nn.linear, (nodes["rows"], nodes["weight"], nodes["bias"]))
+    transposed = graph.call_method("transpose", (nodes["weight"], -1, -2))
+    transposed.meta["example_value"] = weight.transpose(-1, -2)
+    sharded = graph.call_function(torch.matmul, (nodes["rows"], transposed))
+    plain = graph.call_function(torch.matmul, (nodes["rows"], nodes["matrix"]))
+    bf16_rows = graph.call_method("bfloat16", (nodes["rows"],))
+    bf16_rows.meta["example_value"] = rows.bfloat16()
+    bf16 = graph.call_function(torch._C._nn.linear, (bf16_rows, nodes["half"]))
+    graph.output((linear, sharded, plain, bf16))
+    assert rt.swap_ops(graph) == {"all_reduce": 0, "grouped_mm": 0, "take_rows": 0, "linear_rows": 2,
+                                  "matmul_folded": 0}
+    graph.lint()
+    assert linear.target is sharded.target is torch.ops.codegen.linear_rows.default
+    assert linear.args == (nodes["rows"], nodes["weight"], nodes["bias"])
+    assert sharded.args[0] is nodes["rows"] and sharded.args[1].target == "t" and sharded.args[2] is None
+    assert plain.target is torch.matmul and bf16.target is torch._C._nn.linear
+    got = torch.fx.GraphModule(torch.nn.Module(), graph)(rows, weight, bias, matrix, half)
+    want = (torch.nn.functional.linear(rows, weight, bias), rows @ weight.t())
+    for result, expected in zip(got, want):
+        assert torch.allclose(result, expected, atol=1e-5, rtol=1e-5)
 
 def _fused_experts_module(family: str):
     """transformers' own experts module of `family`'s tiny example (5.x), its weights drawn, or None (4.x)."""

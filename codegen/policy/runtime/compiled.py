@@ -14,9 +14,13 @@ updates: thousands of small eager ops fused), but two ops the eager model issues
   model runs, visits every expert), a decode step's all in one C loop (codegen.policy.runtime.kernel). In bfloat16
   on CPU, transformers' `torch._grouped_mm` becomes the same op (the kernel reads bfloat16 weights as they are).
 
-Two more are rewritten where inductor's CPU lowering of them is slow: a row gather `x[index]` becomes
-`codegen::take_rows`, and a matmul of a batch of strided rows by a matrix (DeepSpeed's LM-head shard,
-`x[..., shard] @ W.T`) takes its rows contiguous first, so that it is one matmul rather than a batched one.
+Three more are rewritten where inductor's CPU lowering of them is slow: a row gather `x[index]` becomes
+`codegen::take_rows`; a dense product in float32 on CPU (`F.linear`, DeepSpeed's sharded layers' `x @ w.T`: the
+attention projections, dense MLPs, shared experts and LM head) becomes `codegen::linear_rows`, whose decode-step rows
+run in the C kernel's dense loop (torch's BLAS, which inductor calls too, reads a 16-row product's weight at a third
+of the read bandwidth); and any other matmul of a batch of strided rows by a matrix (DeepSpeed's LM-head shard,
+`x[..., shard] @ W.T`, in bfloat16) takes its rows contiguous first, so that it is one matmul rather than a batched
+one.
 
 On CUDA, a decode step whose KV cache is static (transformers' `StaticCache`: fixed shapes, updated in place) runs
 as a CUDA graph (inductor's CUDA graph trees): the step's kernels replay in one launch instead of one Python launch
@@ -37,7 +41,7 @@ import types
 import torch
 
 from codegen.policy.runtime.base import PolicyError
-from codegen.policy.runtime.kernel import experts_grouped_mm
+from codegen.policy.runtime.kernel import experts_grouped_mm, linear_rows
 
 #: the functional all-reduce every reduction of a compiled rank becomes
 TP_ALL_REDUCE = "codegen::tp_all_reduce"
@@ -45,6 +49,10 @@ TP_ALL_REDUCE = "codegen::tp_all_reduce"
 GROUPED_MM = "codegen::grouped_mm"
 #: what a row gather `x[index]` becomes
 TAKE_ROWS = "codegen::take_rows"
+#: what a float32 dense product on CPU (`F.linear(x, w, b)`, DeepSpeed's `x @ w.T`) becomes
+LINEAR_ROWS = "codegen::linear_rows"
+#: the dense products `swap_ops` reads as `F.linear`
+_LINEAR_TARGETS = (torch._C._nn.linear, torch.nn.functional.linear)
 #: the ops `swap_ops` replaces, by their name in a captured graph
 _DEEPSPEED_IN_PLACE = "deepspeed.inference_all_reduce_"
 _TRANSFORMERS_FALLBACK = "transformers.grouped_mm_fallback"
@@ -62,8 +70,8 @@ def _op_name(target):
 
 
 def register_ops():
-    """`codegen::tp_all_reduce`, `codegen::grouped_mm` and `codegen::take_rows`, once per process (every policy
-    file loaded in it shares them: the kernels hold no state of their own)."""
+    """`codegen::tp_all_reduce`, `codegen::grouped_mm`, `codegen::take_rows` and `codegen::linear_rows`, once per
+    process (every policy file loaded in it shares them: the kernels hold no state of their own)."""
     if hasattr(torch.ops.codegen, "tp_all_reduce"):
         return
 
@@ -102,16 +110,27 @@ def register_ops():
     def _(input, index):
         return input.new_empty(index.shape[0], *input.shape[1:])
 
+    @torch.library.custom_op(LINEAR_ROWS, mutates_args=())
+    def linear_rows_op(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`F.linear(input, weight, bias)`; a decode step's 1-16 rows by the C kernel's dense loop
+        (codegen.policy.runtime.kernel), which streams the weight once for all of them where torch's BLAS (and
+        inductor, which calls it) reads 16 rows at a third of the read bandwidth."""
+        return linear_rows(input, weight, bias)
+
+    @linear_rows_op.register_fake
+    def _(input, weight, bias):
+        return input.new_empty(*input.shape[:-1], weight.shape[0])
+
 
 def swap_ops(graph):
-    """Replace, in one captured FX graph, DeepSpeed's in-place all-reduce, transformers' grouped-matmul fallback and
-    row gathers by this part's ops, and take strided rows contiguous before a matmul by a matrix; returns how many of
-    each it rewrote.
+    """Replace, in one captured FX graph, DeepSpeed's in-place all-reduce, transformers' grouped-matmul fallback, row
+    gathers and float32 dense products by this part's ops, and take strided rows contiguous before any other matmul
+    by a matrix; returns how many of each it rewrote.
 
     Each reduction takes the one before it as an argument it does not read: the ranks must issue them in the same
     order, and without a data dependence inductor may reorder them (a rank whose LM-head shard is empty under
     DeepSpeed's grain split at small widths has a last reduction that depends on nothing, and ran it first)."""
-    swapped = {"all_reduce": 0, "grouped_mm": 0, "take_rows": 0, "matmul_folded": 0}
+    swapped = {"all_reduce": 0, "grouped_mm": 0, "take_rows": 0, "linear_rows": 0, "matmul_folded": 0}
     previous = None
     for node in list(graph.nodes):
         if node.op != "call_function":
@@ -136,6 +155,13 @@ def swap_ops(graph):
         elif node.target is operator.getitem and _gathers_rows(node):
             node.target = torch.ops.codegen.take_rows.default
             swapped["take_rows"] += 1
+        elif (product := _dense_product(node)) is not None:
+            rows, weight, bias, transposed = product
+            if transposed:
+                with graph.inserting_before(node):
+                    weight = graph.call_method("t", (weight,))
+            node.target, node.args, node.kwargs = torch.ops.codegen.linear_rows.default, (rows, weight, bias), {}
+            swapped["linear_rows"] += 1
         elif node.target in (torch.matmul, operator.matmul) and _strided_rows_by_matrix(node):
             with graph.inserting_before(node):
                 rows = graph.call_method("contiguous", (node.args[0],))
@@ -165,6 +191,31 @@ def _grouped_on_cpu(node):
     rows, experts = values
     return (kwargs.get("bias") is None and kwargs.get("out_dtype") in (None, rows.dtype) and rows.dim() == 2
             and experts.dim() == 3 and rows.device.type == experts.device.type == "cpu")
+
+
+def _dense_product(node):
+    """(rows, weight, bias, transposed) of a dense product in float32 on CPU whose weight has its input dim
+    contiguous: `F.linear(x, w, b)` (an nn.Linear), or `x @ m` with `m` such a weight transposed (DeepSpeed's sharded
+    layers: `x @ w.transpose(-1, -2)`; `transposed` then, `weight` is `m`). None for any other node."""
+    if node.target in _LINEAR_TARGETS:
+        rows, weight, bias = (*node.args, None, None)[:3]
+        bias = node.kwargs.get("bias", bias)
+        nodes = (rows, weight) if bias is None else (rows, weight, bias)
+        if set(node.kwargs) - {"bias"} or not all(isinstance(a, torch.fx.Node) for a in nodes):
+            return None
+        values = [a.meta.get("example_value") for a in nodes]
+        if _float32_on_cpu(values) and values[1].dim() == 2 and values[1].stride(-1) == 1:
+            return rows, weight, bias, False
+        return None
+    if node.target in (torch.matmul, operator.matmul) and not node.kwargs:
+        values = _two_tensor_args(node)
+        if values is not None and _float32_on_cpu(values) and values[1].dim() == 2 and values[1].stride(0) == 1:
+            return node.args[0], node.args[1], None, True
+    return None
+
+
+def _float32_on_cpu(values):
+    return all(isinstance(v, torch.Tensor) and v.dtype == torch.float32 and v.device.type == "cpu" for v in values)
 
 
 def _strided_rows_by_matrix(node):
