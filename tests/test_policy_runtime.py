@@ -1893,7 +1893,7 @@ def test_the_experts_kernel_is_torchs_matmul_per_expert(layout, offs_dtype, thre
     # 300 columns: more than one column block of the kernel; 42 inputs: not a multiple of the 4 weight rows (or the
     # vector widths) the kernel takes at a time, so its tails run too
     experts, width, out = 6, 42, 300
-    counts = torch.tensor([1, 0, 16, 17, 3, 0])
+    counts = torch.tensor([1, 0, 16, 17, 3, 7])
     ends = counts.cumsum(0).to(offs_dtype)
     rows = torch.randn(int(counts.sum()) + 2, width)  # 2 padding rows
     if layout == "rows":
@@ -1922,7 +1922,7 @@ def test_the_experts_kernel_is_torchs_matmul_per_expert(layout, offs_dtype, thre
 def test_the_dense_kernel_is_torchs_linear(rows, threads):
     """A decode step's 1..16 rows by an nn.Linear weight run in the C kernel's dense loop, with and without a bias, on
     rows strided as DeepSpeed's LM-head shard takes them and on a weight that is a slice of a wider one; 17 rows
-    (prefill) and other dtypes are torch's own product, exactly."""
+    (prefill), other dtypes and a bias torch broadcasts are torch's own product, exactly."""
     assert rt.grouped_mm_kernel() is not None, "the kernel did not build on this machine"
     torch.manual_seed(0)
     # 300 inputs: a chunk of 256 and a tail that is not a multiple of the 16 lanes; 45 outputs: blocks of 6 and a
@@ -1936,6 +1936,7 @@ def test_the_dense_kernel_is_torchs_linear(rows, threads):
     try:
         got = [rt.linear_rows(shard, weight, b) for b in (None, bias)]
         half = rt.linear_rows(shard.bfloat16(), weight.bfloat16())
+        broadcast = rt.linear_rows(shard, weight, bias[:1])  # a bias torch broadcasts: torch's own product
     finally:
         torch.set_num_threads(before)
     for result, b in zip(got, (None, bias)):
@@ -1946,6 +1947,7 @@ def test_the_dense_kernel_is_torchs_linear(rows, threads):
         else:
             assert torch.allclose(result, want, atol=1e-4, rtol=1e-5), (result - want).abs().max()
     assert torch.equal(half, torch.nn.functional.linear(shard.bfloat16(), weight.bfloat16()))
+    assert torch.equal(broadcast, torch.nn.functional.linear(shard, weight, bias[:1]))
 
 
 def test_compiled_ranks_run_float32_dense_products_on_the_dense_kernel():

@@ -44,7 +44,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'mistral_large4', 'moe_classes': ['MistralLarge4TextMoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': ['q_a_proj', 'kv_a_proj_with_mqa', 'indexer'], 'attention_head_params': ['softmax_scaling.scale', 'softmax_scaling.bias'], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': ['vision_tower', 'multi_modal_projector'], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size'], 'linear_attention': None, 'latent_attention': {'expand': 'expand_kv', 'up_projection': 'kv_b_proj', 'nope_width': 'qk_nope_head_dim', 'value_width': 'v_head_dim', 'selected_keys': 'indices'}}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_mistral_large4'
-RUNTIME_SHA256 = '19b68d1f59d676358b5a3c4d6fcb3f903746f65db65b16c9aaffcd0a00a4e88d'
+RUNTIME_SHA256 = 'd70b9d72d6917290fdd057af5ba3be324f08c005155567b4ba8c9806b19700e8'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -1778,15 +1778,19 @@ only read the weights; its compiled decode step on 2 ranks went from 28 to 17 ms
 dim first, as GPT-OSS keeps them) are applied four weight rows at a time to accumulators that stay in L1, a task
 spanning as many columns as those fit, so the weight streams in long runs: on an Intel Xeon (AVX-512), one thread,
 GPT-OSS-20b's experts at TP=2 widths went from 8.7 to 14.2 GB/s at batch 1 and from 6.4 to 10.0 at batch 16 (torch
-reads 11-12 GB/s there); column-major weights stream at torch's read rate already, unchanged. bfloat16 weights are
-read as they are and summed in float32 (the rows converted to float32 first): transformers runs `torch._grouped_mm`
-in bfloat16, whose CPU kernel visits every expert (scripts/experts_kernel_bench.py: this loop is 1.33-1.84x it at
-batch 1 at the bench's published widths, 0.97-1.17x at batch 16).
+reads 11-12 GB/s there); in float32, experts with 4 or more rows (a prefill's) go to a tiled loop instead, 24 sums
+in registers and the weight fetched a chunk ahead (one thread, one MoE layer of GPT-OSS-20b's TP=2 shard, 64 tokens:
+200 ms against 274 ms in BLAS's sgemm). float32 weights stored column-major (output dim first, the (E, out, in)
+experts) go through the dense loop below, expert by expert (scripts/experts_kernel_bench.py at the published widths,
+decode steps: 0.94-1.17x torch's matmul per expert, where the column loop before it was 0.76-1.01x). bfloat16
+weights are read as they are and summed in float32 (the rows converted to float32 first): transformers runs
+`torch._grouped_mm` in bfloat16, whose CPU kernel visits every expert (the same script: this loop is 1.42-1.89x it
+at batch 1, 1.05-1.22x at batch 16).
 
 The same library holds the fused experts (`fused_experts`, codegen.policy.runtime.experts_implementation): a whole
 MoE layer's routed experts in one call, each expert's rows gathered, multiplied by gate-up, gated, multiplied by down
-and added into their tokens' sums while they are in cache; experts with many rows multiply through BLAS's `sgemm`
-(the one torch's matmul calls, found in torch's library), the others through the loop above.
+and added into their tokens' sums while they are in cache; experts with more than 16 rows multiply through BLAS's
+`sgemm` (the one torch's matmul calls, found in torch's library), the others through the loops above.
 
 And the dense loop (`linear_rows`, codegen.policy.runtime.compiled's `codegen::linear_rows`): a decode step's 1-16
 rows by an nn.Linear weight (out, in), in float32. torch's BLAS reads a 16-row product's weight at a third of the
@@ -1818,13 +1822,12 @@ import torch  # first: the kernel's OpenMP threads run on the runtime torch load
 SMALL_GROUP_ROWS = 16
 
 
-def blas_rows(threads: int) -> int:
-    """The fused experts multiply an expert with at least this many rows by BLAS's sgemm, fewer in this kernel's
-    loop. Called from C, MKL's sgemm has no dispatch cost to amortize: with one thread it ran every group size as fast
-    or faster (toy Qwen3-MoE widths, column-major weights: 1 row per expert 2.3 against 2.5 ms a layer, 8 rows 6.6
-    against 7.9); with more, the kernel spreads small experts over the threads and sgemm does not (1 row: 1.2 against
-    1.8 ms with 2 threads)."""
-    return 1 if threads == 1 else SMALL_GROUP_ROWS + 1
+#: the fused experts multiply an expert with at least this many rows by BLAS's sgemm, fewer in this kernel's loop.
+#: Measured, one thread, one MoE layer of a TP=2 shard at the bench's published widths, float32: 64 tokens (a
+#: batch-1 prefill, 4-6 rows per expert) 82-99 ms in the loop against 132-170 ms in sgemm (Qwen1.5-MoE, DeepSeek-V2,
+#: Qwen3-MoE), 16 tokens 3-10% faster; GPT-OSS's input-dim-first experts within 4% either way
+BLAS_ROWS = SMALL_GROUP_ROWS + 1
+
 
 _HEAD = r"""
 #include <stdint.h>
@@ -1855,9 +1858,9 @@ static inline float f32_of_bf16(uint16_t h) {
 }
 """
 
-#: the two task shapes, for one weight element type: `WEIGHT` the C type, `LOAD(v)` its value as a float, `TYPE`
-#: the functions' suffix. The rows (x) and the sums are float32 whatever the weights are.
-_TASKS = r"""
+#: the task shapes, for one weight element type: `WEIGHT` the C type, `LOAD(v)` its value as a float, `TYPE` the
+#: functions' suffix. The rows (x) and the sums are float32 whatever the weights are.
+_ROWS_TASK = r"""
 /* weight row-major (w[k * sk + n]): four weight rows at a time are applied to each row's accumulators, which stay
    in L1; a block spans as many columns as fit, so the weight streams in long runs */
 static void by_weight_rows_TYPE(const float *x, int64_t ldx, const WEIGHT *w, int64_t sk, int64_t K, int64_t rows,
@@ -1888,7 +1891,11 @@ static void by_weight_rows_TYPE(const float *x, int64_t ldx, const WEIGHT *w, in
     for (int64_t r = 0; r < rows; r++) memcpy(out + r * ldo, acc + r * nb, nb * sizeof(float));
 }
 
-/* weight column-major (w[n * sn + k]): a column at a time, read once for up to four rows (four independent sums;
+"""
+
+#: bfloat16 weights with the input dim contiguous, column by column (float32 ones go through the dense loop)
+_COLUMNS_TASK = r"""
+/* weight column-major (w[n * sn + k]), bfloat16: a column at a time, read once for up to four rows (four independent sums;
    weight columns read side by side stream several times slower: measured). A column of at most a page has the
    next one prefetched while it is summed (measured: bfloat16 columns of 2048 went from 7 to 10 GB/s; float32
    columns of 2048, 8 KiB, stream as fast or faster without) */
@@ -1953,8 +1960,10 @@ int64_t codegen_grouped_mm(const float *x, int64_t S, int64_t ldx, const void *w
         if (end > last) last = end;
     }
     for (int64_t r = last; r < S; r++) memset(out + r * ldo, 0, N * sizeof(float));
-    /* columns per task: as many as the most rows' accumulators allow (row-major weights), or a fixed share */
-    int64_t block = sn == 1 ? (ACC_FLOATS / most) / 16 * 16 : 256;
+    /* columns per task: for row-major weights, as many as the most rows' accumulators allow (TILED_BLOCK once
+       float32 rows go to the tiled loop), or a fixed share */
+    const int tiled = sn == 1 && !wbf16 && most >= 4;
+    int64_t block = tiled ? TILED_BLOCK : sn == 1 ? (ACC_FLOATS / most) / 16 * 16 : 256;
     if (block < MIN_BLOCK) block = MIN_BLOCK;
     const int64_t blocks = (N + block - 1) / block, tasks = nsmall * blocks;
     #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && tasks > 1)
@@ -1972,8 +1981,9 @@ int64_t codegen_grouped_mm(const float *x, int64_t S, int64_t ldx, const void *w
             else by_weight_columns_bf16(xg, ldx, we, sn, K, rows, nb, og, ldo);
         } else {
             const float *we = (const float *)w + at;
-            if (sn == 1) by_weight_rows_f32(xg, ldx, we, sk, K, rows, nb, og, ldo);
-            else by_weight_columns_f32(xg, ldx, we, sn, K, rows, nb, og, ldo);
+            if (sn != 1) linear_span(xg, rows, ldx, we, sn, K, 0, nb, NULL, og, ldo);
+            else if (rows >= 4) by_weight_rows_tiled(xg, ldx, we, sk, K, rows, nb, og, ldo);
+            else by_weight_rows_f32(xg, ldx, we, sk, K, rows, nb, og, ldo);
         }
     }
     free(small);
@@ -2175,18 +2185,72 @@ typedef void (*linear_tile_fn)(const float *, int64_t, const float *, int64_t, i
 static const linear_tile_fn LINEAR_FULL[5] = {0, linear_tile_1_6, linear_tile_2_6, linear_tile_3_6, linear_tile_4_6};
 static const linear_tile_fn LINEAR_ONE[5] = {0, linear_tile_1_1, linear_tile_2_1, linear_tile_3_1, linear_tile_4_1};
 
-/* out (R x N, ldo) = x (R x K, ldx) @ w^T + bias (N, or NULL), w (N x K, ldw): returns 0, or -1 for a shape it does
-   not take (the caller runs torch's matmul). Blocks of weight rows are shared out over the threads; each output
-   element is summed in one order whatever the thread count. */
-int64_t codegen_linear_rows(const float *x, int64_t R, int64_t ldx, const float *w, int64_t ldw, int64_t K,
-                            int64_t N, const float *bias, float *out, int64_t ldo, int threads) {
-    if (R < 1 || R > MAX_ROWS || K < 1 || N < 1 || ldw < K || ldx < K) return -1;
-    const int64_t whole = K / LANES * LANES, blocks = (N + LINEAR_BLOCK - 1) / LINEAR_BLOCK;
-    #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && blocks > 1)
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t n0 = b * LINEAR_BLOCK, nt = N - n0 < LINEAR_BLOCK ? N - n0 : LINEAR_BLOCK;
-        const int64_t ahead = b + 1 < blocks ? LINEAR_BLOCK * ldw : 0;
-        const float *wb = w + n0 * ldw;
+/* Rows by a row-major float32 weight (w[k * sk + n], input dim first: GPT-OSS's experts), 4 to MAX_ROWS rows: a tile
+   of 4 rows by 6 vectors of columns keeps 24 sums in registers, each weight vector loaded once for 4 rows. K goes in
+   chunks of TILED_CHUNK weight rows, the next chunk fetched into L2 while one is summed, so the weight streams in
+   runs as wide as the task instead of one tile wide; the sums of every row live in `out` (L2) between chunks. */
+#define TILED_CHUNK 16
+#define TILED_VECTORS 6
+/* a task's columns when some expert takes the tiled path: a multiple of the tile's width, and at most what the
+   accumulators of by_weight_rows hold for the 3 rows it still takes */
+#define TILED_BLOCK (14 * LANES * TILED_VECTORS)
+#if 3 * TILED_BLOCK > ACC_FLOATS
+#error "by_weight_rows must hold 3 rows of TILED_BLOCK columns"
+#endif
+
+#define TILED_TILE(RT, NV)                                                                                       \
+static void tiled_tile_##RT##_##NV(const float *x, int64_t ldx, const float *w, int64_t sk, int64_t k0,          \
+                                   int64_t k1, float *sums, int64_t lds) {                                       \
+    lane_vector a[RT][NV];                                                                                       \
+    for (int i = 0; i < RT; i++) for (int j = 0; j < NV; j++) a[i][j] = *(lane_vector *)(sums + i * lds + LANES * j); \
+    for (int64_t k = k0; k < k1; k++) {                                                                          \
+        lane_vector wv[NV];                                                                                      \
+        for (int j = 0; j < NV; j++) wv[j] = *(const lane_vector *)(w + k * sk + LANES * j);                    \
+        for (int i = 0; i < RT; i++) {                                                                           \
+            const float xs = x[i * ldx + k];                                                                     \
+            for (int j = 0; j < NV; j++) a[i][j] += xs * wv[j];                                                  \
+        }                                                                                                        \
+    }                                                                                                            \
+    for (int i = 0; i < RT; i++) for (int j = 0; j < NV; j++) *(lane_vector *)(sums + i * lds + LANES * j) = a[i][j]; \
+}
+TILED_TILE(4, 6) TILED_TILE(3, 6) TILED_TILE(2, 6) TILED_TILE(1, 6)
+TILED_TILE(4, 1) TILED_TILE(3, 1) TILED_TILE(2, 1) TILED_TILE(1, 1)
+
+typedef void (*tiled_tile_fn)(const float *, int64_t, const float *, int64_t, int64_t, int64_t, float *, int64_t);
+static const tiled_tile_fn TILED_FULL[5] = {0, tiled_tile_1_6, tiled_tile_2_6, tiled_tile_3_6, tiled_tile_4_6};
+static const tiled_tile_fn TILED_ONE[5] = {0, tiled_tile_1_1, tiled_tile_2_1, tiled_tile_3_1, tiled_tile_4_1};
+
+static void by_weight_rows_tiled(const float *x, int64_t ldx, const float *w, int64_t sk, int64_t K, int64_t rows,
+                                 int64_t nb, float *out, int64_t ldo) {
+    const int64_t wide = nb / (LANES * TILED_VECTORS) * (LANES * TILED_VECTORS), lanes = nb / LANES * LANES;
+    for (int64_t r = 0; r < rows; r++) memset(out + r * ldo, 0, nb * sizeof(float));
+    for (int64_t k0 = 0; k0 < K; k0 += TILED_CHUNK) {
+        const int64_t k1 = k0 + TILED_CHUNK < K ? k0 + TILED_CHUNK : K;
+        for (int64_t k = k1; k < k1 + TILED_CHUNK && k < K; k++)
+            for (int64_t n = 0; n < nb; n += 64 / sizeof(float)) __builtin_prefetch(w + k * sk + n, 0, 2);
+        for (int64_t r = 0; r < rows; r += 4) {
+            const int64_t rt = rows - r < 4 ? rows - r : 4;
+            const float *xr = x + r * ldx;
+            float *sr = out + r * ldo;
+            for (int64_t n0 = 0; n0 < wide; n0 += LANES * TILED_VECTORS)
+                TILED_FULL[rt](xr, ldx, w + n0, sk, k0, k1, sr + n0, ldo);
+            for (int64_t n0 = wide; n0 < lanes; n0 += LANES) TILED_ONE[rt](xr, ldx, w + n0, sk, k0, k1, sr + n0, ldo);
+            for (int64_t i = 0; i < rt; i++)
+                for (int64_t n = lanes; n < nb; n++)
+                    for (int64_t k = k0; k < k1; k++) sr[i * ldo + n] += xr[i * ldx + k] * w[k * sk + n];
+        }
+    }
+}
+
+/* out (R x n1 - n0, ldo) = x (R x K, ldx) @ (w's rows n0..n1)^T + bias[n0..n1] (or none), w (N x K, ldw), one
+   thread: block after block of LINEAR_BLOCK weight rows, the next block fetched while one is summed */
+static void linear_span(const float *x, int64_t R, int64_t ldx, const float *w, int64_t ldw, int64_t K, int64_t n0,
+                        int64_t n1, const float *bias, float *out, int64_t ldo) {
+    const int64_t whole = K / LANES * LANES;
+    for (int64_t b0 = n0; b0 < n1; b0 += LINEAR_BLOCK) {
+        const int64_t nt = n1 - b0 < LINEAR_BLOCK ? n1 - b0 : LINEAR_BLOCK;
+        const int64_t ahead = b0 + LINEAR_BLOCK < n1 ? LINEAR_BLOCK * ldw : 0;
+        const float *wb = w + b0 * ldw;
         lane_vector sums[MAX_ROWS * LINEAR_BLOCK];
         memset(sums, 0, sizeof(sums));
         for (int64_t k0 = 0; k0 < whole; k0 += LINEAR_CHUNK) {
@@ -2207,22 +2271,39 @@ int64_t codegen_linear_rows(const float *x, int64_t R, int64_t ldx, const float 
                 const float *xr = x + r * ldx, *wj = wb + j * ldw;
                 float s = lane_sum(sums[r * LINEAR_BLOCK + j]);
                 for (int64_t k = whole; k < K; k++) s += xr[k] * wj[k];
-                out[r * ldo + n0 + j] = bias ? s + bias[n0 + j] : s;
+                out[r * ldo + b0 - n0 + j] = bias ? s + bias[b0 + j] : s;
             }
+    }
+}
+
+/* out (R x N, ldo) = x (R x K, ldx) @ w^T + bias (N, or NULL), w (N x K, ldw): returns 0, or -1 for a shape it does
+   not take (the caller runs torch's matmul). Each thread takes one run of whole blocks; each output element is
+   summed in one order whatever the thread count. */
+int64_t codegen_linear_rows(const float *x, int64_t R, int64_t ldx, const float *w, int64_t ldw, int64_t K,
+                            int64_t N, const float *bias, float *out, int64_t ldo, int threads) {
+    if (R < 1 || R > MAX_ROWS || K < 1 || N < 1 || ldw < K || ldx < K) return -1;
+    const int64_t blocks = (N + LINEAR_BLOCK - 1) / LINEAR_BLOCK;
+    const int64_t spans = threads > 1 && blocks > 1 ? (threads < blocks ? threads : blocks) : 1;
+    const int64_t per = (blocks + spans - 1) / spans * LINEAR_BLOCK;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (spans > 1)
+    for (int64_t t = 0; t < spans; t++) {
+        const int64_t n0 = t * per, n1 = n0 + per < N ? n0 + per : N;
+        if (n0 < n1) linear_span(x, R, ldx, w, ldw, K, n0, n1, bias, out + n0, ldo);
     }
     return 0;
 }
 """
 
 
-def _tasks_for(suffix: str, weight: str, load: str) -> str:
-    return (_TASKS.replace("_TYPE(", f"_{suffix}(").replace("WEIGHT", weight)
+def _task_for(task: str, suffix: str, weight: str, load: str) -> str:
+    return (task.replace("_TYPE(", f"_{suffix}(").replace("WEIGHT", weight)
             .replace("LOAD(", f"{load}(" if load else "("))
 
 
+_BF16 = ("bf16", "uint16_t", "f32_of_bf16")
 #: the kernel's C source: float32 and bfloat16 weights, float32 rows and sums
-GROUPED_MM_SOURCE = (_HEAD + _tasks_for("f32", "float", "") + _tasks_for("bf16", "uint16_t", "f32_of_bf16")
-                     + _ENTRY + _FUSED + _LINEAR)
+GROUPED_MM_SOURCE = (_HEAD + _task_for(_ROWS_TASK, "f32", "float", "") + _task_for(_ROWS_TASK, *_BF16)
+                     + _task_for(_COLUMNS_TASK, *_BF16) + _LINEAR + _ENTRY + _FUSED)
 #: the gates the fused experts compute, by their code in the C source (GATE_SILU, GATE_CLAMPED_SWIGLU there)
 GATE_CODES = {GATE_SILU: 0, GATE_CLAMPED_SWIGLU: 1}
 #: the weight dtypes the kernel reads
@@ -2337,7 +2418,7 @@ def fused_experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bia
     status = kernel.fused(x.data_ptr(), x.shape[0], x.stride(0), index.data_ptr(), weights.data_ptr(), index.shape[1],
                           gate_up.shape[0], gate_up.data_ptr(), *gate_up.stride(), down.data_ptr(), *down.stride(),
                           x.shape[1], gate_up.shape[2], *bias_args, GATE_CODES[gate], alpha, limit, out.data_ptr(),
-                          blas_sgemm_address(), blas_rows(threads), threads)
+                          blas_sgemm_address(), BLAS_ROWS, threads)
     if status != 0:
         raise RuntimeError("codegen fused experts: " + ("out of memory" if status == -2 else
                                                         "an expert id outside the experts, or weights it does not take"))
@@ -2385,8 +2466,10 @@ def linear_rows(input, weight, bias=None):
     own (prefill's rows are many, and BLAS packs the weight once for them)."""
     rows = input.numel() // max(input.shape[-1], 1)
     takes = (1 <= rows <= SMALL_GROUP_ROWS and weight.dim() == 2 and weight.stride(-1) == 1
-             and input.dtype == weight.dtype == torch.float32 and input.device.type == weight.device.type == "cpu"
-             and (bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu" and bias.dim() == 1)))
+             and input.shape[-1] == weight.shape[1] and input.dtype == weight.dtype == torch.float32
+             and input.device.type == weight.device.type == "cpu"
+             and (bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu"
+                                   and bias.shape == weight.shape[:1])))
     kernel = grouped_mm_kernel() if takes else None
     if kernel is None:
         return torch.nn.functional.linear(input, weight, bias)
