@@ -43,7 +43,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'glm5_next', 'moe_classes': ['Glm5NextTextMoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': ['q_a_proj', 'kv_a_proj_with_mqa', 'indexer'], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': ['visual'], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size'], 'linear_attention': None, 'whole_modules': ['Glm5NextTextLinearAttention'], 'latent_attention': {'expand': 'expand_kv', 'up_projection': 'kv_b_proj', 'nope_width': 'qk_nope_head_dim', 'value_width': 'v_head_dim', 'selected_keys': 'indices'}}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_glm5_next'
-RUNTIME_SHA256 = 'd70b9d72d6917290fdd057af5ba3be324f08c005155567b4ba8c9806b19700e8'
+RUNTIME_SHA256 = '6b541abc48232b738c318caef039d97419436d3658f339ed1c18f3a38a803351'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -1824,7 +1824,8 @@ SMALL_GROUP_ROWS = 16
 #: the fused experts multiply an expert with at least this many rows by BLAS's sgemm, fewer in this kernel's loop.
 #: Measured, one thread, one MoE layer of a TP=2 shard at the bench's published widths, float32: 64 tokens (a
 #: batch-1 prefill, 4-6 rows per expert) 82-99 ms in the loop against 132-170 ms in sgemm (Qwen1.5-MoE, DeepSeek-V2,
-#: Qwen3-MoE), 16 tokens 3-10% faster; GPT-OSS's input-dim-first experts within 4% either way
+#: Qwen3-MoE), 16 tokens 3-10% faster; GPT-OSS's input-dim-first experts 200 against 274 ms at 64 tokens, within
+#: 5% at 1 and 16
 BLAS_ROWS = SMALL_GROUP_ROWS + 1
 
 
@@ -1894,10 +1895,9 @@ static void by_weight_rows_TYPE(const float *x, int64_t ldx, const WEIGHT *w, in
 
 #: bfloat16 weights with the input dim contiguous, column by column (float32 ones go through the dense loop)
 _COLUMNS_TASK = r"""
-/* weight column-major (w[n * sn + k]), bfloat16: a column at a time, read once for up to four rows (four independent sums;
-   weight columns read side by side stream several times slower: measured). A column of at most a page has the
-   next one prefetched while it is summed (measured: bfloat16 columns of 2048 went from 7 to 10 GB/s; float32
-   columns of 2048, 8 KiB, stream as fast or faster without) */
+/* weight column-major (w[n * sn + k]), bfloat16: a column at a time, read once for up to four rows (four
+   independent sums; weight columns read side by side stream several times slower: measured). A column of at most a
+   page has the next one prefetched while it is summed (measured: columns of 2048 went from 7 to 10 GB/s) */
 static void by_weight_columns_TYPE(const float *x, int64_t ldx, const WEIGHT *w, int64_t sn, int64_t K,
                                    int64_t rows, int64_t nb, float *out, int64_t ldo) {
     const int64_t line = 64 / sizeof(WEIGHT), prefetch = sn * (int64_t)sizeof(WEIGHT) <= 4096;
@@ -2201,7 +2201,8 @@ static const linear_tile_fn LINEAR_ONE[5] = {0, linear_tile_1_1, linear_tile_2_1
 static void tiled_tile_##RT##_##NV(const float *x, int64_t ldx, const float *w, int64_t sk, int64_t k0,          \
                                    int64_t k1, float *sums, int64_t lds) {                                       \
     lane_vector a[RT][NV];                                                                                       \
-    for (int i = 0; i < RT; i++) for (int j = 0; j < NV; j++) a[i][j] = *(lane_vector *)(sums + i * lds + LANES * j); \
+    for (int i = 0; i < RT; i++)                                                                                 \
+        for (int j = 0; j < NV; j++) a[i][j] = *(lane_vector *)(sums + i * lds + LANES * j);                    \
     for (int64_t k = k0; k < k1; k++) {                                                                          \
         lane_vector wv[NV];                                                                                      \
         for (int j = 0; j < NV; j++) wv[j] = *(const lane_vector *)(w + k * sk + LANES * j);                    \
@@ -2210,7 +2211,8 @@ static void tiled_tile_##RT##_##NV(const float *x, int64_t ldx, const float *w, 
             for (int j = 0; j < NV; j++) a[i][j] += xs * wv[j];                                                  \
         }                                                                                                        \
     }                                                                                                            \
-    for (int i = 0; i < RT; i++) for (int j = 0; j < NV; j++) *(lane_vector *)(sums + i * lds + LANES * j) = a[i][j]; \
+    for (int i = 0; i < RT; i++)                                                                                 \
+        for (int j = 0; j < NV; j++) *(lane_vector *)(sums + i * lds + LANES * j) = a[i][j];                    \
 }
 TILED_TILE(4, 6) TILED_TILE(3, 6) TILED_TILE(2, 6) TILED_TILE(1, 6)
 TILED_TILE(4, 1) TILED_TILE(3, 1) TILED_TILE(2, 1) TILED_TILE(1, 1)
