@@ -43,7 +43,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'hy_v4', 'moe_classes': ['HYV4MoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': ['q_a_proj', 'kv_a_proj_with_mqa', 'indexer'], 'attention_head_params': ['sinks'], 'full_width_norms': [], 'attention_head_linears': ['gate_proj'], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_hy_v4'
-RUNTIME_SHA256 = '6b541abc48232b738c318caef039d97419436d3658f339ed1c18f3a38a803351'
+RUNTIME_SHA256 = 'e9d30ae62d7194f5357518028153c7e422224b3255637cc355bb1b2b27544da7'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -1821,14 +1821,6 @@ import torch  # first: the kernel's OpenMP threads run on the runtime torch load
 SMALL_GROUP_ROWS = 16
 
 
-#: the fused experts multiply an expert with at least this many rows by BLAS's sgemm, fewer in this kernel's loop.
-#: Measured, one thread, one MoE layer of a TP=2 shard at the bench's published widths, float32: 64 tokens (a
-#: batch-1 prefill, 4-6 rows per expert) 82-99 ms in the loop against 132-170 ms in sgemm (Qwen1.5-MoE, DeepSeek-V2,
-#: Qwen3-MoE), 16 tokens 3-10% faster; GPT-OSS's input-dim-first experts 200 against 274 ms at 64 tokens, within
-#: 5% at 1 and 16
-BLAS_ROWS = SMALL_GROUP_ROWS + 1
-
-
 _HEAD = r"""
 #include <stdint.h>
 #include <stdlib.h>
@@ -2057,17 +2049,20 @@ static void add_weighted(float *out, int64_t H, const int64_t *tok, const float 
 /* out (T, H) = for each token, over its k routed experts in expert order, the sum of weight * (down(gate(x @ w1 + b1))
    + b2), w1 (E, H, I2) and w2 (E, I2 / 2, H) float32 with element strides (expert, in, out), in or out 1; b1 (E, I2)
    and b2 (E, H) with expert strides sb1 and sb2 (NULL: none). Each expert's rows are gathered, multiplied, gated,
-   multiplied and added into `out` while they are in cache. Experts with fewer than blas_rows rows go first, all
-   together, through codegen_grouped_mm; the others one by one through sgemm. Returns 0, -1 for an expert id outside
-   0..E-1 or a layout it does not take, -2 when out of memory. */
+   multiplied and added into `out` while they are in cache. Experts with fewer than blas_rows (MAX_ROWS + 1) rows go
+   first, all together, through codegen_grouped_mm; the others one by one through sgemm. Measured, one thread, one
+   MoE layer of a TP=2 shard at the bench's published widths, float32, against sgemm for every expert: 64 tokens (a
+   batch-1 prefill, 4-8 rows per expert) 82-99 ms against 132-170 (Qwen1.5-MoE, DeepSeek-V2, Qwen3-MoE) and 200
+   against 274 (GPT-OSS), 16 tokens 3-10% faster. Returns 0, -1 for an expert id outside 0..E-1 or a layout it
+   does not take, -2 when out of memory. */
 int64_t codegen_fused_experts(const float *x, int64_t T, int64_t ldx, const int64_t *idx, const float *wts, int64_t k,
                               int64_t E, const float *w1, int64_t s1e, int64_t s1k, int64_t s1n, const float *w2,
                               int64_t s2e, int64_t s2k, int64_t s2n, int64_t H, int64_t I2, const float *b1,
                               int64_t sb1, const float *b2, int64_t sb2, int gate, float alpha, float limit,
-                              float *out, void *sgemm_address, int64_t blas_rows, int threads) {
+                              float *out, void *sgemm_address, int threads) {
     const sgemm_fn sgemm = (sgemm_fn)sgemm_address;
-    const int64_t S = T * k, I = I2 / 2;
-    if (!sgemm || blas_rows < 1 || blas_rows > MAX_ROWS + 1 || I2 % 2 || (s1k != 1 && s1n != 1)
+    const int64_t S = T * k, I = I2 / 2, blas_rows = MAX_ROWS + 1;
+    if (!sgemm || I2 % 2 || (s1k != 1 && s1n != 1)
         || (s2k != 1 && s2n != 1) || (gate != GATE_SILU && gate != GATE_CLAMPED_SWIGLU)) return -1;
     for (int64_t s = 0; s < S; s++) if (idx[s] < 0 || idx[s] >= E) return -1;
     int64_t *start = (int64_t *)calloc(E + 1, sizeof(int64_t)), *small_ends = (int64_t *)malloc(E * sizeof(int64_t));
@@ -2374,7 +2369,7 @@ def grouped_mm_kernel():
     function.restype = i64
     fused = library.codegen_fused_experts
     fused.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, i64, i64, ptr, i64,
-                      ptr, i64, ctypes.c_int, ctypes.c_float, ctypes.c_float, ptr, ptr, i64, ctypes.c_int]
+                      ptr, i64, ctypes.c_int, ctypes.c_float, ctypes.c_float, ptr, ptr, ctypes.c_int]
     fused.restype = i64
     function.fused = fused
     linear = library.codegen_linear_rows
@@ -2419,7 +2414,7 @@ def fused_experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bia
     status = kernel.fused(x.data_ptr(), x.shape[0], x.stride(0), index.data_ptr(), weights.data_ptr(), index.shape[1],
                           gate_up.shape[0], gate_up.data_ptr(), *gate_up.stride(), down.data_ptr(), *down.stride(),
                           x.shape[1], gate_up.shape[2], *bias_args, GATE_CODES[gate], alpha, limit, out.data_ptr(),
-                          blas_sgemm_address(), BLAS_ROWS, threads)
+                          blas_sgemm_address(), threads)
     if status != 0:
         raise RuntimeError("codegen fused experts: " + ("out of memory" if status == -2 else
                                                         "an expert id outside the experts, or weights it does not take"))
@@ -2691,8 +2686,6 @@ GROUPED_MM = "codegen::grouped_mm"
 TAKE_ROWS = "codegen::take_rows"
 #: what a float32 dense product on CPU (`F.linear(x, w, b)`, DeepSpeed's `x @ w.T`) becomes
 LINEAR_ROWS = "codegen::linear_rows"
-#: the dense products `swap_ops` reads as `F.linear`
-_LINEAR_TARGETS = (torch._C._nn.linear, torch.nn.functional.linear)
 #: the ops `swap_ops` replaces, by their name in a captured graph
 _DEEPSPEED_IN_PLACE = "deepspeed.inference_all_reduce_"
 _TRANSFORMERS_FALLBACK = "transformers.grouped_mm_fallback"
@@ -2837,7 +2830,7 @@ def _dense_product(node):
     """(rows, weight, bias, transposed) of a dense product in float32 on CPU whose weight has its input dim
     contiguous: `F.linear(x, w, b)` (an nn.Linear), or `x @ m` with `m` such a weight transposed (DeepSpeed's sharded
     layers: `x @ w.transpose(-1, -2)`; `transposed` then, `weight` is `m`). None for any other node."""
-    if node.target in _LINEAR_TARGETS:
+    if node.target is torch.nn.functional.linear:  # torch._C._nn.linear, as a captured graph holds it
         rows, weight, bias = (*node.args, None, None)[:3]
         bias = node.kwargs.get("bias", bias)
         nodes = (rows, weight) if bias is None else (rows, weight, bias)

@@ -51,8 +51,6 @@ GROUPED_MM = "codegen::grouped_mm"
 TAKE_ROWS = "codegen::take_rows"
 #: what a float32 dense product on CPU (`F.linear(x, w, b)`, DeepSpeed's `x @ w.T`) becomes
 LINEAR_ROWS = "codegen::linear_rows"
-#: the dense products `swap_ops` reads as `F.linear`
-_LINEAR_TARGETS = (torch._C._nn.linear, torch.nn.functional.linear)
 #: the ops `swap_ops` replaces, by their name in a captured graph
 _DEEPSPEED_IN_PLACE = "deepspeed.inference_all_reduce_"
 _TRANSFORMERS_FALLBACK = "transformers.grouped_mm_fallback"
@@ -197,7 +195,7 @@ def _dense_product(node):
     """(rows, weight, bias, transposed) of a dense product in float32 on CPU whose weight has its input dim
     contiguous: `F.linear(x, w, b)` (an nn.Linear), or `x @ m` with `m` such a weight transposed (DeepSpeed's sharded
     layers: `x @ w.transpose(-1, -2)`; `transposed` then, `weight` is `m`). None for any other node."""
-    if node.target in _LINEAR_TARGETS:
+    if node.target is torch.nn.functional.linear:  # torch._C._nn.linear, as a captured graph holds it
         rows, weight, bias = (*node.args, None, None)[:3]
         bias = node.kwargs.get("bias", bias)
         nodes = (rows, weight) if bias is None else (rows, weight, bias)
