@@ -1271,6 +1271,46 @@ def test_an_explicit_allocator_choice_is_left_as_it_is():
     assert rt.malloc_note({"LD_PRELOAD": "/usr/lib/libtcmalloc_minimal.so.4"}) is None
 
 
+def _huge_pages_at(address):
+    """The AnonHugePages (kB) of the mapping of this process that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            start, end = (int(part, 16) for part in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+
+def test_a_cpu_ranks_large_weights_move_into_huge_pages_where_linux_grants_them():
+    """Weights of a huge page or more move into 2 MiB pages, values and strides kept, the same Parameters; small
+    weights and views of another storage stay; CODEGEN_HUGE_PAGES=0, or Linux's `never`, leaves everything."""
+    model = torch.nn.Module()
+    model.big = torch.nn.Parameter(torch.randn(1024, 1536))
+    model.flipped = torch.nn.Parameter(torch.randn(3, 1024, 512).transpose(1, 2))  # GPT-OSS's experts, re-laid
+    model.small = torch.nn.Parameter(torch.randn(16, 16))
+    whole = torch.randn(2048, 1024)
+    model.view = torch.nn.Parameter(whole[:1024])
+    before = {name: (p, p.detach().clone(), p.stride(), p.data_ptr()) for name, p in model.named_parameters()}
+    assert rt.huge_page_weights(model, {"CODEGEN_HUGE_PAGES": "0"}) is None
+    assert all(p.data_ptr() == ptr for p, _v, _s, ptr in before.values())
+    mode = Path(rt.THP_MODE).read_text() if Path(rt.THP_MODE).exists() else "[never]"
+    note = rt.huge_page_weights(model, {})
+    if "[never]" in mode:
+        assert note is None
+        return
+    page = int(Path(rt.THP_SIZE).read_text())
+    assert note.startswith(f"12 MiB of weights in {page >> 20} MiB pages")
+    params = dict(model.named_parameters())
+    for name, (param, values, stride, pointer) in before.items():
+        assert params[name] is param and torch.equal(param, values) and param.stride() == stride, name
+        assert (param.data_ptr() != pointer) == (name in ("big", "flipped")), name
+    assert model.big.data_ptr() % page == 0 and model.flipped.untyped_storage().nbytes() == model.flipped.nbytes
+    assert _huge_pages_at(model.big.data_ptr()) >= page >> 10  # Linux granted at least one
+
+
 def test_the_op_build_dir_is_per_environment(tmp_path):
     a = rt.extensions_dir({"XDG_CACHE_HOME": "/c"}, "/envs/a/.venv")
     b = rt.extensions_dir({"XDG_CACHE_HOME": "/c"}, "/envs/b/.venv")
@@ -2053,21 +2093,26 @@ def _use_fused(model, family):
     return rt.use_fused_experts(rt.moe_blocks(model, layout), layout)
 
 
-def test_the_policy_runs_transformers_experts_as_the_fused_op_where_they_take_it():
+def test_the_policy_runs_transformers_experts_as_the_fused_op_where_they_take_it(monkeypatch):
     """A float32 CPU model on transformers' default (`grouped_mm`) switches to `codegen`: every experts module runs
-    the op and the logits stay (Qwen3-MoE, GPT-OSS); experts whose gate is not the layout's (checked on a probe) are
-    left to transformers; a model set to another implementation keeps it."""
+    the op and the logits stay (Qwen3-MoE, GPT-OSS; GPT-OSS's weights, kept input-dim first, now stored with `in`
+    contiguous, the same Parameters); experts whose gate is not the layout's (checked on a probe) are left to
+    transformers; a model set to another implementation keeps it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(4))
+    monkeypatch.setattr(rt, "INPUT_CONTIGUOUS_FROM", 1)  # the tiny example's widths: every weight re-laid
     for family in ("qwen3_moe", "gpt_oss"):
         model = _fused_experts_module(family)
         if model is None:
             return
+        weights = {name: (param, param.shape) for name, param in model.named_parameters() if param.dim() == 3}
         with torch.no_grad():
             want = model(ids).logits
             assert _use_fused(model, family) is None
             got = model(ids).logits
+        assert weights and {name: (p, p.shape) for name, p in model.named_parameters() if p.dim() == 3} == weights
+        assert all(param.stride(1 if family == "gpt_oss" else 2) == 1 for param, _shape in weights.values()), family
         assert model.config._experts_implementation == rt.IMPLEMENTATION
         assert rt.fused_module_count(model) == model.config.num_hidden_layers
         assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item(), family

@@ -20,8 +20,8 @@ from codegen.policy.runtime.compiled import compile_forward
 from codegen.policy.runtime.cuda_attention import cudnn_attention_off
 from codegen.policy.runtime.experts import row_layer_policy, shard_experts
 from codegen.policy.runtime.experts_implementation import use_fused_experts
-from codegen.policy.runtime.environment import (destroy_group_at_exit, launcher_notes, local_ranks, malloc_note,
-                                                thread_note)
+from codegen.policy.runtime.environment import (destroy_group_at_exit, huge_page_weights, launcher_notes, local_ranks,
+                                                malloc_note, thread_note)
 from codegen.policy.runtime.groups import CoalescedAllReduce, TensorParallelGroups, route_inference_reductions
 from codegen.policy.runtime.latent_attention import absorb_latent_attention, latent_attention_modules
 from codegen.policy.runtime.linear_attention import (detach_linear_attention, linear_attention_modules,
@@ -144,7 +144,7 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
     device = _device_of(engine.module)
     if world > 1:
         keep_in_lockstep(engine.module, dist, group, device)
-    notes.append(malloc_note() if device.type == "cpu" else cudnn_attention_off(device))
+    notes += [malloc_note(), huge_page_weights(engine.module)] if device.type == "cpu" else [cudnn_attention_off(device)]
     say(dist.get_rank(), notes)
     return engine
 

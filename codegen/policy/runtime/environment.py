@@ -7,7 +7,8 @@ mpi4py); neither launcher sets OMP_NUM_THREADS, so every rank runs as many threa
 cores; and every environment with the same Python builds DeepSpeed's CPU op into the same
 ~/.cache/torch_extensions/<py>_cpu, rebuilding it (half a minute or more) whenever environments alternate.
 And glibc's malloc, on a CPU rank, hands every block over 32 MiB back to the OS when it is freed, so a prefill's
-activations page-fault in afresh on every forward (`malloc_note`).
+activations page-fault in afresh on every forward (`malloc_note`); and a CPU rank's weights lie in 4 KiB pages
+unless they are asked for huge ones (`huge_page_weights`).
 Each helper here changes only what is unset, returns what it did as a one-line note, and never raises.
 And a process group this policy started is also ended by it, at exit (`destroy_group_at_exit`).
 """
@@ -15,6 +16,7 @@ And a process group this policy started is also ended by it, at exit (`destroy_g
 import atexit
 import ctypes
 import hashlib
+import mmap
 import os
 import platform
 import socket
@@ -31,6 +33,11 @@ KEPT_BLOCK_BYTES = 1 << 30
 #: a user's own choice of allocator settings (glibc's variables), or of another allocator (preloaded)
 MALLOC_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 OTHER_ALLOCATORS = ("tcmalloc", "jemalloc", "mimalloc")
+#: how Linux grants transparent huge pages (`[madvise]`: to memory that asks), and their size
+THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
+THP_SIZE = "/sys/kernel/mm/transparent_hugepage/hpage_pmd_size"
+#: `0` keeps a CPU rank's weights where they were loaded
+HUGE_PAGES_VARIABLE = "CODEGEN_HUGE_PAGES"
 
 
 def extensions_dir(env=None, prefix=None):
@@ -148,3 +155,62 @@ def malloc_note(env=None):
         return None
     return (f"glibc malloc: freed blocks up to {KEPT_BLOCK_BYTES >> 30} GiB are kept for reuse, not unmapped, so a "
             "prefill's activations do not page-fault in afresh every forward (set MALLOC_MMAP_THRESHOLD_ to choose)")
+
+
+def huge_page_weights(model, env=None):
+    """Move a CPU rank's weights of a huge page or more into memory that asks Linux for transparent huge pages (one
+    at a time: each old storage is freed as its copy lands); the note, or None.
+
+    A decode step or a prefill streams its expert weights from memory once, and in 4 KiB pages the walk to each page
+    costs its share: measured on the Xeon, one MoE layer's experts of a TP=2 rank (Qwen3-30B-A3B's, gpt-oss-20b's),
+    16 and 64 tokens, one thread: 3-7% faster in 2 MiB pages, with the other core streaming too. Most distributions
+    grant huge pages only where asked (`madvise`), and torch's allocator does not ask. Left as they are: huge pages
+    off (`never`) or not Linux, CODEGEN_HUGE_PAGES=0, weights smaller than a huge page, and weights that view or share
+    another tensor's storage.
+    """
+    env = os.environ if env is None else env
+    if env.get(HUGE_PAGES_VARIABLE, "1") == "0" or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
+    try:
+        with open(THP_MODE) as mode_file, open(THP_SIZE) as size_file:
+            mode, page = mode_file.read(), int(size_file.read())
+    except (OSError, ValueError):
+        return None
+    if "[never]" in mode or page <= 0:
+        return None
+    import torch
+
+    moved = 0
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.device.type == "cpu" and param.nbytes >= page and _owns_dense_storage(param):
+                try:
+                    param.data = _in_huge_pages(torch, param.data, page)
+                except OSError:  # a kernel built without them refuses the advice: nothing is moved
+                    break
+                moved += param.nbytes
+    if not moved:
+        return None
+    amount = f"{moved / (1 << 30):.1f} GiB" if moved >= 1 << 30 else f"{moved >> 20} MiB"
+    return (f"{amount} of weights in {page >> 20} MiB pages (transparent huge pages, asked for with madvise; "
+            f"{HUGE_PAGES_VARIABLE}=0 keeps them where they were loaded)")
+
+
+def _owns_dense_storage(tensor):
+    """Whether `tensor` covers its whole storage exactly once, in any order of its dims (a view or an expanded tensor
+    does not)."""
+    span = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return (tensor.storage_offset() == 0 and span == tensor.numel() - 1
+            and tensor.untyped_storage().nbytes() == tensor.nbytes)
+
+
+def _in_huge_pages(torch, tensor, page):
+    """A copy of `tensor`, same strides, in a private anonymous mapping advised MADV_HUGEPAGE and starting on a page
+    boundary (the tensor keeps the mapping alive)."""
+    region = mmap.mmap(-1, tensor.nbytes + page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    offset = -torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr() % page
+    flat = torch.frombuffer(region, dtype=tensor.dtype, count=tensor.numel(), offset=offset)
+    moved = flat.as_strided(tensor.shape, tensor.stride())
+    moved.copy_(tensor)
+    return moved

@@ -379,22 +379,41 @@ _LINEAR = r"""
    through them once, and the next block's weight rows are fetched into L2 while this one is summed. */
 typedef float lane_vector __attribute__((vector_size(64), aligned(4)));  /* 16 floats, loaded unaligned */
 #define LANES 16
-#define LINEAR_CHUNK 256  /* K per pass: 16 rows of x in 16 KiB */
+#define LINEAR_X_FLOATS 8192  /* x's rows per pass: 32 KiB */
 #define LINEAR_BLOCK 6    /* weight rows per tile */
+#if MAX_ROWS * LINEAR_BLOCK % LANES
+#error "the sums of MAX_ROWS rows of a block must fill whole vectors (lanes_summed)"
+#endif
 
-static inline float lane_sum(lane_vector v) {
-    float s = 0.f;
-    for (int i = 0; i < LANES; i++) s += v[i];
-    return s;
+#define SHUFFLE __builtin_shufflevector  /* GCC 12+ and clang */
+
+/* lane m of the result = the sum of v[m]'s lanes, for 16 vectors at once: four rounds of pairwise shuffles and adds
+   (15 vector adds) where summing each vector's lanes one by one takes 16 dependent scalar adds per vector, which
+   cost as much as the tile's own multiply-adds when K is 256-512 */
+static inline lane_vector lanes_summed(const lane_vector *v) {
+    lane_vector t[8], u[4], h[2];
+    for (int i = 0; i < 8; i++)  /* lanes 0-7: v[2i]'s partial sums, 8-15: v[2i + 1]'s */
+        t[i] = SHUFFLE(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+             + SHUFFLE(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++)  /* 4 lanes for each of v[4i .. 4i + 3] */
+        u[i] = SHUFFLE(t[2 * i], t[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+             + SHUFFLE(t[2 * i], t[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)  /* 2 lanes for each of v[8i .. 8i + 7] */
+        h[i] = SHUFFLE(u[2 * i], u[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
+             + SHUFFLE(u[2 * i], u[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return SHUFFLE(h[0], h[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+         + SHUFFLE(h[0], h[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-/* sums[i * stride + j] += x row i (of RT) . w row j (of NT) over k0..k1 (multiples of LANES); `ahead`: the distance
-   to the next block's weight rows, fetched into L2 on the way (0: none) */
+/* sums[i * stride + j] += x row i (of RT) . w row j (of NT) over k0..k1 (multiples of LANES), starting from 0 where
+   k0 is 0 (the first pass: nothing to zero beforehand); `ahead`: the distance to the next block's weight rows,
+   fetched into L2 on the way (0: none) */
 #define LINEAR_TILE(RT, NT)                                                                                      \
 static void linear_tile_##RT##_##NT(const float *x, int64_t ldx, const float *w, int64_t ldw, int64_t k0,       \
                                     int64_t k1, lane_vector *sums, int64_t stride, int64_t ahead) {             \
     lane_vector a[RT][NT];                                                                                       \
-    for (int i = 0; i < RT; i++) for (int j = 0; j < NT; j++) a[i][j] = sums[i * stride + j];                   \
+    for (int i = 0; i < RT; i++)                                                                                 \
+        for (int j = 0; j < NT; j++) a[i][j] = k0 ? sums[i * stride + j] : (lane_vector){0};                   \
     for (int64_t k = k0; k < k1; k += LANES) {                                                                  \
         lane_vector wv[NT];                                                                                      \
         for (int j = 0; j < NT; j++) wv[j] = *(const lane_vector *)(w + j * ldw + k);                           \
@@ -478,14 +497,18 @@ static void by_weight_rows_tiled(const float *x, int64_t ldx, const float *w, in
 static void linear_span(const float *x, int64_t R, int64_t ldx, const float *w, int64_t ldw, int64_t K, int64_t n0,
                         int64_t n1, const float *bias, float *out, int64_t ldo) {
     const int64_t whole = K / LANES * LANES;
+    /* K per pass: the rows' chunk of x stays in L1 while a block's weight rows stream through it once */
+    const int64_t chunk = LINEAR_X_FLOATS / R / LANES * LANES;
     for (int64_t b0 = n0; b0 < n1; b0 += LINEAR_BLOCK) {
         const int64_t nt = n1 - b0 < LINEAR_BLOCK ? n1 - b0 : LINEAR_BLOCK;
         const int64_t ahead = b0 + LINEAR_BLOCK < n1 ? LINEAR_BLOCK * ldw : 0;
         const float *wb = w + b0 * ldw;
         lane_vector sums[MAX_ROWS * LINEAR_BLOCK];
-        memset(sums, 0, sizeof(sums));
-        for (int64_t k0 = 0; k0 < whole; k0 += LINEAR_CHUNK) {
-            const int64_t k1 = k0 + LINEAR_CHUNK < whole ? k0 + LINEAR_CHUNK : whole;
+        const int64_t used = R * LINEAR_BLOCK, padded = (used + LANES - 1) / LANES * LANES;
+        memset(sums + used, 0, (padded - used) * sizeof(lane_vector));  /* lanes_summed reads whole groups */
+        if (whole == 0 || nt < LINEAR_BLOCK) memset(sums, 0, used * sizeof(lane_vector));  /* no tile zeroes them */
+        for (int64_t k0 = 0; k0 < whole; k0 += chunk) {
+            const int64_t k1 = k0 + chunk < whole ? k0 + chunk : whole;
             for (int64_t r = 0; r < R; r += 4) {
                 const int64_t rt = R - r < 4 ? R - r : 4;
                 const int64_t fetch = r == 0 ? ahead : 0;
@@ -497,10 +520,13 @@ static void linear_span(const float *x, int64_t R, int64_t ldx, const float *w, 
                         LINEAR_ONE[rt](x + r * ldx, ldx, wb + j * ldw, ldw, k0, k1, at + j, LINEAR_BLOCK, 0);
             }
         }
+        float summed[MAX_ROWS * LINEAR_BLOCK] __attribute__((aligned(64)));
+        for (int64_t m = 0; m < R * LINEAR_BLOCK; m += LANES)  /* sums beyond R rows are zeros */
+            *(lane_vector *)(summed + m) = lanes_summed(sums + m);
         for (int64_t r = 0; r < R; r++)
             for (int64_t j = 0; j < nt; j++) {
                 const float *xr = x + r * ldx, *wj = wb + j * ldw;
-                float s = lane_sum(sums[r * LINEAR_BLOCK + j]);
+                float s = summed[r * LINEAR_BLOCK + j];
                 for (int64_t k = whole; k < K; k++) s += xr[k] * wj[k];
                 out[r * ldo + b0 - n0 + j] = bias ? s + bias[b0 + j] : s;
             }
@@ -694,23 +720,25 @@ def _matmul_per_expert(input, weight, offs, output, more_than=0):
 def linear_rows(input, weight, bias=None):
     """`input @ weight.T + bias` (nn.Linear's product), a decode step's few rows through the kernel's dense loop:
     float32 on CPU, `weight` (out, in) with `in` contiguous, 1..`SMALL_GROUP_ROWS` rows; any other call is torch's
-    own (prefill's rows are many, and BLAS packs the weight once for them)."""
-    rows = input.numel() // max(input.shape[-1], 1)
-    takes = (1 <= rows <= SMALL_GROUP_ROWS and weight.dim() == 2 and weight.stride(-1) == 1
-             and input.shape[-1] == weight.shape[1] and input.dtype == weight.dtype == torch.float32
-             and input.device.type == weight.device.type == "cpu"
-             and (bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu"
-                                   and bias.shape == weight.shape[:1])))
+    own (prefill's rows are many, and BLAS packs the weight once for them). It runs for every dense product of a
+    decode step, so its checks are plain attribute reads (a call costs about what `F.linear`'s dispatch does)."""
+    width, f32 = input.shape[-1], torch.float32
+    rows = input.numel() // width if width else 0
+    takes = (1 <= rows <= SMALL_GROUP_ROWS and input.is_cpu and weight.is_cpu and input.dtype is f32
+             and weight.dtype is f32 and weight.dim() == 2 and weight.stride(1) == 1 and weight.shape[1] == width
+             and (bias is None or (bias.is_cpu and bias.dtype is f32 and bias.shape == weight.shape[:1])))
     kernel = grouped_mm_kernel() if takes else None
     if kernel is None:
         return torch.nn.functional.linear(input, weight, bias)
-    x = input.reshape(rows, input.shape[-1])
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    bias = None if bias is None else bias.contiguous()
-    out = x.new_empty(rows, weight.shape[0])
-    status = kernel.linear(x.data_ptr(), rows, x.stride(0), weight.data_ptr(), weight.stride(0), weight.shape[1],
-                           weight.shape[0], None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+    x = input.view(rows, width) if input.is_contiguous() else input.reshape(rows, width)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    out = input.new_empty((*input.shape[:-1], weight.shape[0]))  # contiguous: its rows weight.shape[0] apart
+    status = kernel.linear(x.data_ptr(), rows, x.stride(0), weight.data_ptr(), weight.stride(0), width,
+                           weight.shape[0], None if bias is None else bias.data_ptr(), out.data_ptr(), weight.shape[0],
                            torch.get_num_threads())
     if status != 0:
         return torch.nn.functional.linear(input, weight, bias)
-    return out.reshape(*input.shape[:-1], weight.shape[0])
+    return out
