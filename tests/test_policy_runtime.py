@@ -2215,6 +2215,116 @@ def test_a_forward_torch_compile_would_break_runs_eager_with_one_line(capsys):
     assert len(lines) == 1 and "cannot capture the forward as one graph" in lines[0] and "running eager" in lines[0]
 
 
+def _filled_cache(layers=2, batch=3, heads=2, length=5, width=4):
+    """transformers' growing cache after a prefill of `length` columns."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for index in range(layers):
+        cache.update(torch.randn(batch, heads, length, width), torch.randn(batch, heads, length, width), index)
+    return cache
+
+
+def test_a_growing_cache_layer_appends_in_place_and_gives_up_its_store_when_its_keys_change(monkeypatch):
+    """Each `DynamicLayer` becomes an `AppendingLayer`: keys and values are views of a store's first columns, a step
+    writes its columns into the store (its address stays while it has room: no copy of the cache), and the views
+    equal what `torch.cat` would give. Outgrowing the store, keys replaced under it (the server's row drops), a crop,
+    a reset: the same values, a store allocated afresh."""
+    monkeypatch.setattr(rt, "KV_HEADROOM", 2)
+    torch.manual_seed(0)
+    cache = _filled_cache()
+    want = [[layer.keys.clone(), layer.values.clone()] for layer in cache.layers]
+
+    def step(columns=1):
+        rt.append_in_place(cache, columns)
+        for index, layer in enumerate(cache.layers):
+            keys, values = torch.randn(3, 2, columns, 4), torch.randn(3, 2, columns, 4)
+            got = cache.update(keys, values, index)
+            want[index] = [torch.cat([want[index][0], keys], 2), torch.cat([want[index][1], values], 2)]
+            assert all(torch.equal(g, w) for g, w in zip(got, want[index]))
+            assert torch.equal(layer.keys, want[index][0]) and torch.equal(layer.values, want[index][1])
+
+    step()
+    layer = cache.layers[0]
+    assert type(layer).__name__ == "AppendingLayer" and isinstance(layer, type(_filled_cache().layers[0]))
+    store = layer.key_store.data_ptr()
+    assert layer.key_store.shape[2] == 5 + 1 + 2 and layer.keys.data_ptr() == store
+    step()
+    assert layer.key_store.data_ptr() == store and cache.get_seq_length() == 7  # in place, one column kept free
+    step()
+    assert layer.key_store.data_ptr() != store and layer.key_store.shape[2] == 7 + 1 + 2  # outgrown: a new store
+    rows = torch.tensor([2, 0])  # as the server drops a row: keys and values replaced under the layer
+    for index, layer in enumerate(cache.layers):
+        layer.keys, layer.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
+        want[index] = [w.index_select(0, rows) for w in want[index]]
+    monkeypatch.setattr(torch, "randn", lambda *shape: torch.rand(2, *shape[1:]))  # the batch is 2 rows now
+    step()
+    assert cache.layers[0].keys.data_ptr() == cache.layers[0].key_store.data_ptr()
+    cache.crop(-2)
+    want = [[w[:, :, :-2] for w in pair] for pair in want]
+    assert cache.layers[0].key_store is None and cache.get_seq_length() == 7
+    step(), step()
+    cache.reset()
+    assert cache.get_seq_length() == 0 and cache.layers[0].key_store is None
+
+
+def test_only_cpu_dynamic_layers_with_keys_append_in_place():
+    """An empty layer (before its prefill), another kind of layer, an unknown token count: left as they are."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    empty = DynamicCache()
+    rt.append_in_place(empty, 1)
+    cache = _filled_cache(layers=1)
+    sliding = DynamicSlidingWindowLayer(sliding_window=4)
+    sliding.update(torch.randn(1, 1, 3, 2), torch.randn(1, 1, 3, 2))
+    cache.layers.append(sliding)
+    rt.append_in_place(cache, None)
+    assert type(cache.layers[0]).__name__ == "DynamicLayer"
+    rt.append_in_place(cache, 1)
+    assert [type(layer).__name__ for layer in cache.layers] == ["AppendingLayer", "DynamicSlidingWindowLayer"]
+    assert rt.new_columns((torch.ones(2, 3, dtype=torch.long),), {}) == 3
+    assert rt.new_columns((), {"inputs_embeds": torch.ones(2, 1, 8)}) == 1 and rt.new_columns((), {}) is None
+
+
+class _CacheUser(torch.nn.Module):
+    """Keys and values of each token written into its cache, and a sum over every column the cache holds."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.proj = torch.nn.Embedding(10, 8), torch.nn.Linear(8, 16)
+
+    def forward(self, input_ids, past_key_values):
+        keys, values = self.proj(self.embed(input_ids)).view(*input_ids.shape, 2, 2, 4).permute(2, 0, 3, 1, 4)
+        keys, values = past_key_values.update(keys, values, 0)
+        return (keys * values).sum(2) + past_key_values.get_seq_length()
+
+
+def test_a_compiled_rank_appends_its_cache_in_place_in_one_graph_for_every_length(monkeypatch):
+    """Compiled, the cache's store is written in place (its address kept across steps) and one decode graph serves
+    every length, the store's re-allocation included; every step equals the eager forward on transformers' cache."""
+    from transformers import DynamicCache, Qwen3MoeConfig
+
+    monkeypatch.setattr(rt, "KV_HEADROOM", 2)
+    torch.manual_seed(0)
+    model = _CacheUser()
+    compiled = rt.CompiledForward(model)
+    config = Qwen3MoeConfig(num_hidden_layers=1)  # a model's cache: its layers there from the start
+    ours, theirs = DynamicCache(config=config), DynamicCache(config=config)
+    prompt = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    with torch.no_grad():
+        assert torch.allclose(compiled(prompt, past_key_values=ours), model(prompt, theirs), atol=1e-5)
+        stores = []
+        for token in range(6):
+            ids = torch.tensor([[token], [9 - token]])
+            assert torch.allclose(compiled(ids, past_key_values=ours), model(ids, theirs), atol=1e-5)
+            stores.append(ours.layers[0].key_store.data_ptr())
+            captured = len(compiled.graphs) if token == 0 else captured
+    assert type(ours.layers[0]).__name__ == "AppendingLayer" and ours.get_seq_length() == 9
+    assert stores[0] == stores[1] != stores[2] == stores[3] != stores[4] == stores[5]  # room for 2 more, one kept free
+    assert compiled.fallback is None and len(compiled.graphs) == captured  # the first step's graph serves them all
+
+
 def test_only_a_cuda_decode_step_on_a_static_cache_runs_as_a_cuda_graph():
     """The CUDA-graph entry takes fixed shapes only: a decode step (one token per row) on a cache updated in place.
     On the CPU, a prefill, or a growing cache: the compiled forward as before."""

@@ -44,7 +44,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'mistral_large4', 'moe_classes': ['MistralLarge4TextMoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': ['q_a_proj', 'kv_a_proj_with_mqa', 'indexer'], 'attention_head_params': ['softmax_scaling.scale', 'softmax_scaling.bias'], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': ['vision_tower', 'multi_modal_projector'], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size'], 'linear_attention': None, 'latent_attention': {'expand': 'expand_kv', 'up_projection': 'kv_b_proj', 'nope_width': 'qk_nope_head_dim', 'value_width': 'v_head_dim', 'selected_keys': 'indices'}}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_mistral_large4'
-RUNTIME_SHA256 = '20408370322d7b0c7d43add8da612131c57e01f6182469bb74bf8d883ee19e26'
+RUNTIME_SHA256 = '2ea64b4c4d241ffa7a5f1ebe0545c92311ab49d047e14c3687c50327a40dcbf9'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -2761,6 +2761,134 @@ def fused_module_count(model):
     return sum(1 for m in model.modules() if getattr(m, FUSED_ATTR, None) is not None)
 
 
+# ---- codegen/policy/runtime/kv_cache.py ----
+"""A compiled CPU rank's KV cache appends its new columns in place instead of copying itself at every step.
+
+transformers' growing cache (`DynamicLayer`) appends by `torch.cat`: every decode step reads and writes the whole
+cache of every layer once more before attention reads it, so on CPU, where the step is bound by memory, that copy
+costs about what attention does (a toy Qwen1.5-MoE step at batch 16, 128-token prompts: 1.1 of 11.4 ms). Before a
+compiled forward runs (codegen.policy.runtime.compiled), each such layer of the cache it was given becomes an
+`AppendingLayer`: its keys and values live at the front of a store with room for `KV_HEADROOM` more columns, a step
+writes its columns into the store (one copy of the new columns) and attention gets a view of the columns in use.
+The store is allocated again, with room to spare, when a forward would outgrow it (once per `KV_HEADROOM` decode
+steps) or when the caller replaced a layer's keys (codegen's server drops and appends batch rows that way). The
+layer's length is a Python int, which the compiled graph takes as a symbolic size: one graph serves every length.
+"""
+
+import functools
+
+import torch
+
+#: columns a store keeps free past what a forward needs when it is allocated (a decode step takes one per row)
+KV_HEADROOM = 256
+
+
+@functools.lru_cache(maxsize=1)
+def appending_layer_class():
+    """`AppendingLayer`, a subclass of transformers' `DynamicLayer`; None where transformers has none (4.x keeps
+    its cache as lists, left as they are)."""
+    try:
+        from transformers.cache_utils import DynamicLayer
+    except ImportError:
+        return None
+
+    class AppendingLayer(DynamicLayer):
+        """`DynamicLayer` whose keys and values are views of the first `length` columns of a larger store: `update`
+        writes the new columns into the store. With no store (`adopt_store` not run since the keys last changed
+        under it), it is a `DynamicLayer`."""
+
+        key_store = value_store = None
+        length = 0
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if self.key_store is None:
+                return super().update(key_states, value_states, *args, **kwargs)
+            start = self.length
+            end = start + key_states.shape[-2]
+            self.key_store[:, :, start:end].copy_(key_states)
+            self.value_store[:, :, start:end].copy_(value_states)
+            self.length = end
+            self.keys, self.values = self.key_store[:, :, :end], self.value_store[:, :, :end]
+            return self.keys, self.values
+
+        def get_seq_length(self):
+            return self.length if self.key_store is not None else super().get_seq_length()
+
+        # the ways transformers changes a layer's keys besides `update` (beam search, assisted decoding, batch
+        # expansion, reuse): the store goes with them
+        def reset(self):
+            self.key_store = self.value_store = None
+            super().reset()
+
+        def crop(self, tokens_to_remove):
+            self.key_store = self.value_store = None
+            super().crop(tokens_to_remove)
+
+        def reorder_cache(self, beam_idx):
+            self.key_store = self.value_store = None
+            super().reorder_cache(beam_idx)
+
+        def batch_repeat_interleave(self, repeats):
+            self.key_store = self.value_store = None
+            super().batch_repeat_interleave(repeats)
+
+        def batch_select_indices(self, indices):
+            self.key_store = self.value_store = None
+            super().batch_select_indices(indices)
+
+    return AppendingLayer
+
+
+def _holds_store_front(layer):
+    """Whether the layer's keys and values are still its stores' first `length` columns (not replaced under it)."""
+    keys, values, key_store, value_store = layer.keys, layer.values, layer.key_store, layer.value_store
+    return (key_store is not None and value_store is not None and isinstance(keys, torch.Tensor)
+            and isinstance(values, torch.Tensor) and keys.data_ptr() == key_store.data_ptr()
+            and values.data_ptr() == value_store.data_ptr() and keys.shape[2] == values.shape[2] == layer.length
+            and keys.shape[:2] == key_store.shape[:2] and values.shape[:2] == value_store.shape[:2]
+            and keys.stride() == key_store.stride() and values.stride() == value_store.stride())
+
+
+def _store_of(tensor, columns):
+    store = tensor.new_empty(tensor.shape[0], tensor.shape[1], columns, tensor.shape[3])
+    store[:, :, :tensor.shape[2]].copy_(tensor)
+    return store
+
+
+def adopt_store(layer, new_columns):
+    """Give the layer a store with room for `new_columns` more columns, unless it has one already.
+
+    A store always keeps a column free: a view of all its columns would be contiguous where the others are not, and
+    the compiled graph, which guards on that, would be captured once more."""
+    if _holds_store_front(layer) and layer.length + new_columns < layer.key_store.shape[2]:
+        return
+    length = layer.keys.shape[2]
+    columns = length + new_columns + KV_HEADROOM
+    layer.key_store, layer.value_store = _store_of(layer.keys, columns), _store_of(layer.values, columns)
+    layer.length = length
+    layer.keys, layer.values = layer.key_store[:, :, :length], layer.value_store[:, :, :length]
+
+
+def append_in_place(cache, new_columns):
+    """Before a forward that adds `new_columns` columns to `cache`: every growing layer of it (transformers'
+    `DynamicLayer` itself, on CPU, holding 4-D keys) appends in place from then on. Any other cache or layer is
+    left as it is."""
+    layer_class = appending_layer_class()
+    if layer_class is None or not isinstance(new_columns, int) or new_columns < 1:
+        return
+    for layer in getattr(cache, "layers", None) or ():
+        kind = type(layer)
+        if kind is not layer_class and kind is not layer_class.__mro__[1]:
+            continue
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if not (getattr(layer, "is_initialized", False) and isinstance(keys, torch.Tensor)
+                and isinstance(values, torch.Tensor) and keys.dim() == values.dim() == 4 and keys.numel() > 0
+                and keys.device.type == values.device.type == "cpu" and keys.shape[2] == values.shape[2]):
+            continue
+        layer.__class__ = layer_class
+        adopt_store(layer, new_columns)
+
+
 # ---- codegen/policy/runtime/compiled.py ----
 """Compiled ranks: the sharded model's forward runs as inductor graphs, its one reduction per MoE layer inside them.
 
@@ -2785,6 +2913,9 @@ run in the C kernel's dense loop (torch's BLAS, which inductor calls too, reads 
 of the read bandwidth); and any other matmul of a batch of strided rows by a matrix (DeepSpeed's LM-head shard,
 `x[..., shard] @ W.T`, in bfloat16) takes its rows contiguous first, so that it is one matmul rather than a batched
 one.
+
+Before a compiled forward runs on CPU, the growing KV cache it was given appends in place from then on
+(codegen.policy.runtime.kv_cache): transformers' `torch.cat` copied every layer's whole cache at every step.
 
 On CUDA, a decode step whose KV cache is static (transformers' `StaticCache`: fixed shapes, updated in place) runs
 as a CUDA graph (inductor's CUDA graph trees): the step's kernels replay in one launch instead of one Python launch
@@ -3103,6 +3234,15 @@ def static_cache_step(args, kwargs):
             and bool(getattr(cache, "is_compileable", False)) and type(cache).__name__ != "DynamicCache")
 
 
+def new_columns(args, kwargs):
+    """How many columns a forward call adds to its cache: its tokens per row (None where it cannot tell)."""
+    for name in ("input_ids", "inputs_embeds"):
+        tokens = kwargs.get(name, args[0] if args and name == "input_ids" else None)
+        if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2:
+            return int(tokens.shape[1])
+    return None
+
+
 def mark_static_cache(cache):
     """Mark a static cache's tensors as fixed addresses for CUDA graphs. transformers marks them when it allocates
     them, except inside a compiled region, which a compiled rank's prefill is: unmarked, a CUDA graph would copy
@@ -3167,6 +3307,7 @@ class CompiledForward:
                     mark_static_cache(step_cache(kwargs))
                     torch.compiler.cudagraph_mark_step_begin()
                     return _own_outputs(self.graphed(*args, **kwargs))
+                append_in_place(step_cache(kwargs), new_columns(args, kwargs))
                 return self.compiled(*args, **kwargs)
             except torch._dynamo.exc.TorchDynamoException as exc:
                 self.fallback = " ".join(str(exc).split())[:300] or type(exc).__name__

@@ -22,6 +22,9 @@ of the read bandwidth); and any other matmul of a batch of strided rows by a mat
 `x[..., shard] @ W.T`, in bfloat16) takes its rows contiguous first, so that it is one matmul rather than a batched
 one.
 
+Before a compiled forward runs on CPU, the growing KV cache it was given appends in place from then on
+(codegen.policy.runtime.kv_cache): transformers' `torch.cat` copied every layer's whole cache at every step.
+
 On CUDA, a decode step whose KV cache is static (transformers' `StaticCache`: fixed shapes, updated in place) runs
 as a CUDA graph (inductor's CUDA graph trees): the step's kernels replay in one launch instead of one Python launch
 each, which is what remains of a compiled GPU decode step. Prefill, and a decode step on a growing (dynamic) cache,
@@ -42,6 +45,7 @@ import torch
 
 from codegen.policy.runtime.base import PolicyError
 from codegen.policy.runtime.kernel import experts_grouped_mm, linear_rows
+from codegen.policy.runtime.kv_cache import append_in_place
 
 #: the functional all-reduce every reduction of a compiled rank becomes
 TP_ALL_REDUCE = "codegen::tp_all_reduce"
@@ -341,6 +345,15 @@ def static_cache_step(args, kwargs):
             and bool(getattr(cache, "is_compileable", False)) and type(cache).__name__ != "DynamicCache")
 
 
+def new_columns(args, kwargs):
+    """How many columns a forward call adds to its cache: its tokens per row (None where it cannot tell)."""
+    for name in ("input_ids", "inputs_embeds"):
+        tokens = kwargs.get(name, args[0] if args and name == "input_ids" else None)
+        if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2:
+            return int(tokens.shape[1])
+    return None
+
+
 def mark_static_cache(cache):
     """Mark a static cache's tensors as fixed addresses for CUDA graphs. transformers marks them when it allocates
     them, except inside a compiled region, which a compiled rank's prefill is: unmarked, a CUDA graph would copy
@@ -405,6 +418,7 @@ class CompiledForward:
                     mark_static_cache(step_cache(kwargs))
                     torch.compiler.cudagraph_mark_step_begin()
                     return _own_outputs(self.graphed(*args, **kwargs))
+                append_in_place(step_cache(kwargs), new_columns(args, kwargs))
                 return self.compiled(*args, **kwargs)
             except torch._dynamo.exc.TorchDynamoException as exc:
                 self.fallback = " ".join(str(exc).split())[:300] or type(exc).__name__
