@@ -2264,8 +2264,13 @@ def test_a_growing_cache_layer_appends_in_place_and_gives_up_its_store_when_its_
     want = [[w[:, :, :-2] for w in pair] for pair in want]
     assert cache.layers[0].key_store is None and cache.get_seq_length() == 7
     step(), step()
+    layer = cache.layers[1]
+    layer.update(torch.randn(2, 2, 2, 4), torch.randn(2, 2, 2, 4))  # past its room, no room made: as transformers does
+    assert layer.key_store is None and layer.get_seq_length() == 11 and layer.keys.shape[2] == 11
     cache.reset()
-    assert cache.get_seq_length() == 0 and cache.layers[0].key_store is None
+    plain = _filled_cache(length=9)  # what transformers' own layers of these columns do
+    plain.reset()  # transformers 5.x drops the columns, 4.x zeroes them: the same either way
+    assert cache.get_seq_length() == plain.get_seq_length() and cache.layers[0].key_store is None
 
 
 def test_only_cpu_dynamic_layers_with_keys_append_in_place():

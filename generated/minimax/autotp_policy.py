@@ -37,7 +37,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'minimax', 'moe_classes': ['MiniMaxSparseMoeBlock'], 'experts': 'experts', 'per_expert': {'gate': 'w1', 'up': 'w3', 'down': 'w2'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': [], 'routers': ['gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp', 'block_sparse_moe'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'intermediate_size'], 'linear_attention': None, 'whole_modules': ['MiniMaxLightningAttention']}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_minimax'
-RUNTIME_SHA256 = 'ad6d3989384bf78af0fbb1b422e8e956838fd640177fe4ab5f3581515078e1a9'
+RUNTIME_SHA256 = '544775ba6249be2578753becde3a87e265f712526596bc10c333a569199ddb0c'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -2795,10 +2795,11 @@ def appending_layer_class():
         length = 0
 
         def update(self, key_states, value_states, *args, **kwargs):
-            if self.key_store is None:
-                return super().update(key_states, value_states, *args, **kwargs)
             start = self.length
             end = start + key_states.shape[-2]
+            if self.key_store is None or end >= self.key_store.shape[2]:  # no store, or no room made (`adopt_store`)
+                self.key_store = self.value_store = None
+                return super().update(key_states, value_states, *args, **kwargs)
             self.key_store[:, :, start:end].copy_(key_states)
             self.value_store[:, :, start:end].copy_(value_states)
             self.length = end
@@ -3308,6 +3309,7 @@ class CompiledForward:
                     print(f"codegen policy: compile=True: torch.compile cannot capture the forward as one graph "
                           f"({self.fallback}); running eager",
                           file=sys.stderr, flush=True)
+        append_in_place(step_cache(kwargs), new_columns(args, kwargs))  # a cache adopted before keeps its room
         return self.eager(*args, **kwargs)
 
     def as_forward(self):

@@ -426,6 +426,7 @@ class CompiledForward:
                     print(f"codegen policy: compile=True: torch.compile cannot capture the forward as one graph "
                           f"({self.fallback}); running eager",
                           file=sys.stderr, flush=True)
+        append_in_place(step_cache(kwargs), new_columns(args, kwargs))  # a cache adopted before keeps its room
         return self.eager(*args, **kwargs)
 
     def as_forward(self):

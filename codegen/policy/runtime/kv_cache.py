@@ -38,10 +38,11 @@ def appending_layer_class():
         length = 0
 
         def update(self, key_states, value_states, *args, **kwargs):
-            if self.key_store is None:
-                return super().update(key_states, value_states, *args, **kwargs)
             start = self.length
             end = start + key_states.shape[-2]
+            if self.key_store is None or end >= self.key_store.shape[2]:  # no store, or no room made (`adopt_store`)
+                self.key_store = self.value_store = None
+                return super().update(key_states, value_states, *args, **kwargs)
             self.key_store[:, :, start:end].copy_(key_states)
             self.value_store[:, :, start:end].copy_(value_states)
             self.length = end
