@@ -39,7 +39,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'hunyuan_v1_moe', 'moe_classes': ['HunYuanMoEV1Moe'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': ['shared_mlp'], 'routers': ['gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': ['Yuan'], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'intermediate_size'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_hunyuan_v1_moe'
-RUNTIME_SHA256 = '544775ba6249be2578753becde3a87e265f712526596bc10c333a569199ddb0c'
+RUNTIME_SHA256 = '8dd348022260085363b1e46805697147314943330484f324dc3e3b826c95eaf2'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -2794,6 +2794,8 @@ def appending_layer_class():
         under it), it is a `DynamicLayer`."""
 
         key_store = value_store = None
+        #: the columns in use: `keys.shape[2]`, kept apart so that the graph never reads `keys`, a view of the store
+        #: it writes (two aliased inputs, one mutated, which torch.compile handles by rebuilding both)
         length = 0
 
         def update(self, key_states, value_states, *args, **kwargs):
@@ -3297,13 +3299,14 @@ class CompiledForward:
         return self.backend.ran
 
     def __call__(self, *args, **kwargs):
+        # compiled or eager, a growing CPU cache appends in place (a static or CUDA one is left as it is)
+        append_in_place(step_cache(kwargs), new_columns(args, kwargs))
         if self.fallback is None:
             try:
                 if static_cache_step(args, kwargs):
                     mark_static_cache(step_cache(kwargs))
                     torch.compiler.cudagraph_mark_step_begin()
                     return _own_outputs(self.graphed(*args, **kwargs))
-                append_in_place(step_cache(kwargs), new_columns(args, kwargs))
                 return self.compiled(*args, **kwargs)
             except torch._dynamo.exc.TorchDynamoException as exc:
                 self.fallback = " ".join(str(exc).split())[:300] or type(exc).__name__
@@ -3311,7 +3314,6 @@ class CompiledForward:
                     print(f"codegen policy: compile=True: torch.compile cannot capture the forward as one graph "
                           f"({self.fallback}); running eager",
                           file=sys.stderr, flush=True)
-        append_in_place(step_cache(kwargs), new_columns(args, kwargs))  # a cache adopted before keeps its room
         return self.eager(*args, **kwargs)
 
     def as_forward(self):

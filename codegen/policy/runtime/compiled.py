@@ -412,13 +412,14 @@ class CompiledForward:
         return self.backend.ran
 
     def __call__(self, *args, **kwargs):
+        # compiled or eager, a growing CPU cache appends in place (a static or CUDA one is left as it is)
+        append_in_place(step_cache(kwargs), new_columns(args, kwargs))
         if self.fallback is None:
             try:
                 if static_cache_step(args, kwargs):
                     mark_static_cache(step_cache(kwargs))
                     torch.compiler.cudagraph_mark_step_begin()
                     return _own_outputs(self.graphed(*args, **kwargs))
-                append_in_place(step_cache(kwargs), new_columns(args, kwargs))
                 return self.compiled(*args, **kwargs)
             except torch._dynamo.exc.TorchDynamoException as exc:
                 self.fallback = " ".join(str(exc).split())[:300] or type(exc).__name__
@@ -426,7 +427,6 @@ class CompiledForward:
                     print(f"codegen policy: compile=True: torch.compile cannot capture the forward as one graph "
                           f"({self.fallback}); running eager",
                           file=sys.stderr, flush=True)
-        append_in_place(step_cache(kwargs), new_columns(args, kwargs))  # a cache adopted before keeps its room
         return self.eager(*args, **kwargs)
 
     def as_forward(self):

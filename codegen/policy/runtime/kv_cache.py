@@ -35,6 +35,8 @@ def appending_layer_class():
         under it), it is a `DynamicLayer`."""
 
         key_store = value_store = None
+        #: the columns in use: `keys.shape[2]`, kept apart so that the graph never reads `keys`, a view of the store
+        #: it writes (two aliased inputs, one mutated, which torch.compile handles by rebuilding both)
         length = 0
 
         def update(self, key_states, value_states, *args, **kwargs):
