@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import copy
 import hashlib
+import inspect
 import os
 import re
 import sys
@@ -2273,21 +2274,62 @@ def test_a_growing_cache_layer_appends_in_place_and_gives_up_its_store_when_its_
     assert cache.get_seq_length() == plain.get_seq_length() and cache.layers[0].key_store is None
 
 
+def test_a_sliding_window_layer_appends_in_place_and_keeps_transformers_window(monkeypatch):
+    """A `DynamicSlidingWindowLayer` becomes an `AppendingSlidingWindowLayer`: a step writes its columns into the
+    store and the window moves up it. Step by step, what attention gets, what the layer keeps, its length and its
+    mask sizes equal transformers' own layer's, before the window fills, after, past the store's room and for a
+    several-column step."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    monkeypatch.setattr(rt, "KV_HEADROOM", 3)
+    torch.manual_seed(0)
+    ours, theirs = DynamicSlidingWindowLayer(sliding_window=4), DynamicSlidingWindowLayer(sliding_window=4)
+    keys, values = torch.randn(2, 3, 3, 8), torch.randn(2, 3, 3, 8)  # a 3-column prompt
+    ours.update(keys, values), theirs.update(keys, values)
+    cache = types.SimpleNamespace(layers=[ours])
+    mask_sizes_args = inspect.signature(theirs.get_mask_sizes).parameters
+    stores = []
+    for columns in (1, 1, 1, 1, 2, 1, 1):
+        rt.append_in_place(cache, columns)
+        keys, values = torch.randn(2, 3, columns, 8), torch.randn(2, 3, columns, 8)
+        got, want = ours.update(keys, values), theirs.update(keys, values)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+        assert ours.get_seq_length() == theirs.get_seq_length()
+        query = torch.arange(columns) if "cache_position" in mask_sizes_args else columns  # transformers 4.x: positions
+        assert ours.get_mask_sizes(query) == theirs.get_mask_sizes(query)
+        stores.append(ours.key_store.data_ptr())
+    assert type(ours).__name__ == "AppendingSlidingWindowLayer" and isinstance(ours, DynamicSlidingWindowLayer)
+    assert ours.start > 0 and ours.keys.data_ptr() != ours.key_store.data_ptr()  # the window moved up the store
+    assert stores[0] == stores[1] == stores[2] != stores[3]  # room for 3 more past the first step's, one kept free
+    if hasattr(ours, "activate_past_recording"):  # transformers 5.x: a layer keeping its past for a crop
+        ours.activate_past_recording(), theirs.activate_past_recording()
+        rt.append_in_place(cache, 1)
+        keys, values = torch.randn(2, 3, 1, 8), torch.randn(2, 3, 1, 8)
+        assert all(torch.equal(g, w) for g, w in zip(ours.update(keys, values), theirs.update(keys, values)))
+        assert ours.key_store is None and torch.equal(ours.keys, theirs.keys)
+
+
 def test_only_cpu_dynamic_layers_with_keys_append_in_place():
     """An empty layer (before its prefill), another kind of layer, an unknown token count: left as they are."""
     from transformers import DynamicCache
-    from transformers.cache_utils import DynamicSlidingWindowLayer
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    class OtherLayer(DynamicLayer):
+        pass
 
     empty = DynamicCache()
     rt.append_in_place(empty, 1)
     cache = _filled_cache(layers=1)
-    sliding = DynamicSlidingWindowLayer(sliding_window=4)
-    sliding.update(torch.randn(1, 1, 3, 2), torch.randn(1, 1, 3, 2))
-    cache.layers.append(sliding)
+    sliding, other = DynamicSlidingWindowLayer(sliding_window=4), OtherLayer()
+    for layer in (sliding, other):
+        layer.update(torch.randn(1, 1, 3, 2), torch.randn(1, 1, 3, 2))
+    cache.layers += [sliding, other]
     rt.append_in_place(cache, None)
     assert type(cache.layers[0]).__name__ == "DynamicLayer"
     rt.append_in_place(cache, 1)
-    assert [type(layer).__name__ for layer in cache.layers] == ["AppendingLayer", "DynamicSlidingWindowLayer"]
+    assert [type(layer).__name__ for layer in cache.layers] == ["AppendingLayer", "AppendingSlidingWindowLayer",
+                                                                 "OtherLayer"]
     assert rt.new_columns((torch.ones(2, 3, dtype=torch.long),), {}) == 3
     assert rt.new_columns((), {"inputs_embeds": torch.ones(2, 1, 8)}) == 1 and rt.new_columns((), {}) is None
 
@@ -2305,16 +2347,20 @@ class _CacheUser(torch.nn.Module):
         return (keys * values).sum(2) + past_key_values.get_seq_length()
 
 
-def test_a_compiled_rank_appends_its_cache_in_place_in_one_graph_for_every_length(monkeypatch):
+@pytest.mark.parametrize("kind", ["growing", "sliding"])
+def test_a_compiled_rank_appends_its_cache_in_place_in_one_graph_for_every_length(monkeypatch, kind):
     """Compiled, the cache's store is written in place (its address kept across steps) and one decode graph serves
-    every length, the store's re-allocation included; every step equals the eager forward on transformers' cache."""
-    from transformers import DynamicCache, Qwen3MoeConfig
+    every length, the store's re-allocation and a full sliding window's move included; every step equals the eager
+    forward on transformers' cache."""
+    from transformers import DynamicCache, GptOssConfig, Qwen3MoeConfig
 
     monkeypatch.setattr(rt, "KV_HEADROOM", 2)
     torch.manual_seed(0)
     model = _CacheUser()
     compiled = rt.CompiledForward(model)
-    config = Qwen3MoeConfig(num_hidden_layers=1)  # a model's cache: its layers there from the start
+    # a model's cache: its layers there from the start; a window of 5 fills at the second step
+    config = (Qwen3MoeConfig(num_hidden_layers=1) if kind == "growing" else
+              GptOssConfig(num_hidden_layers=1, layer_types=["sliding_attention"], sliding_window=5))
     ours, theirs = DynamicCache(config=config), DynamicCache(config=config)
     prompt = torch.tensor([[1, 2, 3], [4, 5, 6]])
     with torch.no_grad():
@@ -2324,8 +2370,10 @@ def test_a_compiled_rank_appends_its_cache_in_place_in_one_graph_for_every_lengt
             ids = torch.tensor([[token], [9 - token]])
             assert torch.allclose(compiled(ids, past_key_values=ours), model(ids, theirs), atol=1e-5)
             stores.append(ours.layers[0].key_store.data_ptr())
-            captured = len(compiled.graphs) if token == 0 else captured
-    assert type(ours.layers[0]).__name__ == "AppendingLayer" and ours.get_seq_length() == 9
+            # a sliding window filling up takes a graph for each side of it (transformers' mask sizes, too)
+            captured = len(compiled.graphs) if token <= (0 if kind == "growing" else 1) else captured
+    names = {"growing": "AppendingLayer", "sliding": "AppendingSlidingWindowLayer"}
+    assert type(ours.layers[0]).__name__ == names[kind] and ours.get_seq_length() == 9
     assert stores[0] == stores[1] != stores[2] == stores[3] != stores[4] == stores[5]  # room for 2 more, one kept free
     assert compiled.fallback is None and len(compiled.graphs) == captured  # the first step's graph serves them all
 
