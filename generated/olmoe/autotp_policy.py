@@ -39,7 +39,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'olmoe', 'moe_classes': ['OlmoeSparseMoeBlock'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': [], 'routers': ['gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [['q_norm', 'q_proj'], ['k_norm', 'k_proj']], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'intermediate_size'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_olmoe'
-RUNTIME_SHA256 = '07cc1fb689846e87520cabefe0657e429da7d56d6114b3b4ea3c9103d8d8e95b'
+RUNTIME_SHA256 = '8ac083800df8d50716ecec6754a0cc256f6b607e37b1bfaab29ea8d1d3f52fad'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -2818,30 +2818,24 @@ def _store_layer(base):
                 return super().get_seq_length()  # a sliding layer counts every column it was given
             return self.end
 
-        # the ways transformers changes a layer's keys besides `update` (beam search, assisted decoding, batch
-        # expansion, reuse): the store goes with them
-        def reset(self):
-            self.key_store = self.value_store = None
-            super().reset()
-
-        def crop(self, tokens_to_remove):
-            self.key_store = self.value_store = None
-            super().crop(tokens_to_remove)
-
-        def reorder_cache(self, beam_idx):
-            self.key_store = self.value_store = None
-            super().reorder_cache(beam_idx)
-
-        def batch_repeat_interleave(self, repeats):
-            self.key_store = self.value_store = None
-            super().batch_repeat_interleave(repeats)
-
-        def batch_select_indices(self, indices):
-            self.key_store = self.value_store = None
-            super().batch_select_indices(indices)
-
+    # the ways transformers changes a layer's keys besides `update` (beam search, assisted decoding, batch expansion,
+    # reuse): the store goes with them
+    for name in ("reset", "crop", "reorder_cache", "batch_repeat_interleave", "batch_select_indices"):
+        if hasattr(base, name):
+            setattr(StoreLayer, name, _dropping_store(getattr(base, name)))
     StoreLayer.__name__ = StoreLayer.__qualname__ = "Appending" + base.__name__.removeprefix("Dynamic")
     return StoreLayer
+
+
+def _dropping_store(change):
+    """transformers' layer method `change`, run after the layer lets go of its store."""
+
+    @functools.wraps(change)
+    def method(self, *args, **kwargs):
+        self.key_store = self.value_store = None
+        return change(self, *args, **kwargs)
+
+    return method
 
 
 @functools.lru_cache(maxsize=1)
@@ -3322,7 +3316,8 @@ class CompiledForward:
         return self.backend.ran
 
     def __call__(self, *args, **kwargs):
-        # compiled or eager, a growing CPU cache appends in place (a static or CUDA one is left as it is)
+        # compiled or eager, transformers' growing and sliding CPU cache layers append in place (a static or CUDA
+        # cache is left as it is)
         append_in_place(step_cache(kwargs), new_columns(args, kwargs))
         if self.fallback is None:
             try:

@@ -412,7 +412,8 @@ class CompiledForward:
         return self.backend.ran
 
     def __call__(self, *args, **kwargs):
-        # compiled or eager, a growing CPU cache appends in place (a static or CUDA one is left as it is)
+        # compiled or eager, transformers' growing and sliding CPU cache layers append in place (a static or CUDA
+        # cache is left as it is)
         append_in_place(step_cache(kwargs), new_columns(args, kwargs))
         if self.fallback is None:
             try:

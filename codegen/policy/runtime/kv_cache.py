@@ -59,30 +59,24 @@ def _store_layer(base):
                 return super().get_seq_length()  # a sliding layer counts every column it was given
             return self.end
 
-        # the ways transformers changes a layer's keys besides `update` (beam search, assisted decoding, batch
-        # expansion, reuse): the store goes with them
-        def reset(self):
-            self.key_store = self.value_store = None
-            super().reset()
-
-        def crop(self, tokens_to_remove):
-            self.key_store = self.value_store = None
-            super().crop(tokens_to_remove)
-
-        def reorder_cache(self, beam_idx):
-            self.key_store = self.value_store = None
-            super().reorder_cache(beam_idx)
-
-        def batch_repeat_interleave(self, repeats):
-            self.key_store = self.value_store = None
-            super().batch_repeat_interleave(repeats)
-
-        def batch_select_indices(self, indices):
-            self.key_store = self.value_store = None
-            super().batch_select_indices(indices)
-
+    # the ways transformers changes a layer's keys besides `update` (beam search, assisted decoding, batch expansion,
+    # reuse): the store goes with them
+    for name in ("reset", "crop", "reorder_cache", "batch_repeat_interleave", "batch_select_indices"):
+        if hasattr(base, name):
+            setattr(StoreLayer, name, _dropping_store(getattr(base, name)))
     StoreLayer.__name__ = StoreLayer.__qualname__ = "Appending" + base.__name__.removeprefix("Dynamic")
     return StoreLayer
+
+
+def _dropping_store(change):
+    """transformers' layer method `change`, run after the layer lets go of its store."""
+
+    @functools.wraps(change)
+    def method(self, *args, **kwargs):
+        self.key_store = self.value_store = None
+        return change(self, *args, **kwargs)
+
+    return method
 
 
 @functools.lru_cache(maxsize=1)
