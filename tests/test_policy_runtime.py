@@ -1507,6 +1507,22 @@ def test_a_part_importing_a_name_no_earlier_part_defines_is_refused(monkeypatch)
         assemble.runtime_text.cache_clear()
 
 
+def test_a_part_redefining_a_name_an_earlier_part_defines_is_refused(monkeypatch):
+    """In the one assembled file the later definition would replace the earlier part's for every part (a decode
+    attention part's `REPLACED` once turned the fused experts off this way, silently)."""
+    from codegen.policy import assemble
+
+    real = assemble.part_text
+    monkeypatch.setattr(assemble, "part_text", lambda name: real(name) + (
+        '\nREPLACED = "eager"\n' if name == "kv_cache" else ""))
+    assemble.runtime_text.cache_clear()
+    try:
+        with pytest.raises(AssemblyError, match=r"runtime part kv_cache defines \['REPLACED'\], which an earlier"):
+            assemble.runtime_text()
+    finally:
+        assemble.runtime_text.cache_clear()
+
+
 # ------------------------------------------------------------------------------------------- linear attention
 
 
@@ -2136,6 +2152,107 @@ def test_the_policy_runs_transformers_experts_as_the_fused_op_where_they_take_it
     chosen.config._experts_implementation = "batched_mm"
     assert _use_fused(chosen, "qwen3_moe") is None and rt.fused_module_count(chosen) == 0
     assert chosen.config._experts_implementation == "batched_mm"
+
+
+
+def _tiny_model(family: str, seed: int = 0):
+    """`family`'s tiny example (transformers' own classes, 5.x or 4.x), weights drawn, eval mode."""
+    from codegen.harness.examples import example_config, model_class
+
+    torch.manual_seed(seed)
+    model = model_class(family).from_config(example_config(family)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model
+
+
+def _attention_layer(model):
+    return next(m for m in model.modules() if hasattr(m, "num_key_value_groups"))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+def test_the_decode_attention_kernel_is_the_familys_eager_attention(family, threads):
+    """`codegen::decode_attention` against transformers' own eager attention of the family (GPT-OSS: sinks and
+    grouped heads; Qwen3-MoE: no sinks): 1 to 40 cached columns (not a multiple of 16 included), keys and values as
+    views of a larger store, masks with min and -inf columns, a mask shared by the batch."""
+    model = _tiny_model(family)
+    layer = _attention_layer(model)
+    eager = rt.family_eager(layer)
+    sinks = getattr(layer, "sinks", None)
+    heads, dim = model.config.num_attention_heads, layer.head_dim
+    kv_heads = heads // layer.num_key_value_groups
+    generator = torch.Generator().manual_seed(2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for length in (1, 17, 40):
+            query = torch.randn(3, 1, heads, dim, generator=generator).transpose(1, 2)
+            store = torch.randn(2, 3, kv_heads, length + 7, dim, generator=generator)
+            key, value = store[0, :, :, 3:3 + length], store[1, :, :, 3:3 + length]
+            mask = torch.zeros(3, 1, 1, length)
+            mask[0, ..., : length // 2] = torch.finfo(torch.float32).min
+            mask[1, ..., -1:] = float("-inf") if length > 1 else 0.0
+            for rows in (mask, mask[:1]):
+                assert rt.kernel_takes(query, key, value, rows)
+                with torch.no_grad():
+                    want = eager(layer, query, key, value, rows, scaling=layer.scaling, dropout=0.0)[0]
+                    got = rt.decode_attention(query, key, value, rows, None if sinks is None else sinks.detach(),
+                                              layer.scaling)
+                assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5, rtol=1e-4), (family, length)
+    finally:
+        torch.set_num_threads(before)
+    two_tokens = torch.randn(3, heads, 2, dim)
+    assert not rt.kernel_takes(two_tokens, key, value, None)  # a prefill's: the family's eager attention
+    assert not rt.kernel_takes(query.to(torch.bfloat16), key, value, None)
+
+
+def test_the_policy_runs_eager_decode_attention_as_the_kernel_where_the_probe_agrees(monkeypatch):
+    """GPT-OSS (eager: its sinks rule out SDPA) switches to `codegen_eager`: every attention layer adopted, greedy
+    tokens and logits as before; a model on SDPA is left alone; an eager attention computing something else (a
+    different scaling) fails the probe and keeps its own, its config untouched."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(4))
+    model = _tiny_model("gpt_oss")
+    assert model.config._attn_implementation == rt.ATTENTION_REPLACED
+
+    def greedy():
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, min_new_tokens=5,
+                                 do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        return out.sequences, torch.stack(out.logits)
+
+    want_tokens, want_logits = greedy()
+    assert rt.use_decode_attention(model) is None
+    assert model.config._attn_implementation == rt.ATTENTION_IMPLEMENTATION
+    assert rt.decode_attention_layer_count(model) == model.config.num_hidden_layers
+    got_tokens, got_logits = greedy()
+    assert torch.equal(got_tokens, want_tokens)
+    assert (got_logits - want_logits).abs().max().item() <= 1e-5 * want_logits.abs().max().item()
+
+    sdpa = _tiny_model("qwen3_moe")
+    sdpa.config._attn_implementation = "sdpa"
+    assert rt.use_decode_attention(sdpa) is None and rt.decode_attention_layer_count(sdpa) == 0
+    assert sdpa.config._attn_implementation == "sdpa"
+
+    capped = _tiny_model("gpt_oss")
+    module = sys.modules[type(_attention_layer(capped)).__module__]
+    own = module.eager_attention_forward
+
+    def softcapped(layer, query, key, value, mask, scaling, dropout=0.0, **kwargs):
+        return own(layer, query, key, value, mask, scaling * 0.5, dropout=dropout, **kwargs)
+
+    monkeypatch.setattr(module, "eager_attention_forward", softcapped)
+    assert rt.use_decode_attention(capped) is None and rt.decode_attention_layer_count(capped) == 0
+    assert capped.config._attn_implementation == rt.ATTENTION_REPLACED
+
+    with FakeTensorMode() as mode:
+        fake = torch.ops.codegen.decode_attention(mode.from_tensor(torch.randn(2, 8, 1, 16)),
+                                                  mode.from_tensor(torch.randn(2, 2, 5, 16)),
+                                                  mode.from_tensor(torch.randn(2, 2, 5, 16)), None, None, 0.25)
+    assert tuple(fake.shape) == (2, 1, 8, 16)
 
 
 def test_offsets_past_the_rows_are_left_to_torch_not_read_by_the_kernel():

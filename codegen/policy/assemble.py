@@ -72,7 +72,10 @@ def runtime_text() -> str:
     for name in PARTS:
         text = part_text(name)
         out.append(PART_HEADER.format(name) + _without_sibling_imports(name, text, defined))
-        defined |= _defined(ast.parse(text))
+        own = _defined(ast.parse(text))
+        if own & defined:  # in one file the later definition would silently replace the earlier part's
+            raise AssemblyError(f"runtime part {name} defines {sorted(own & defined)}, which an earlier part defines")
+        defined |= own
     return "\n\n".join(out)
 
 

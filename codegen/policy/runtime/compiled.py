@@ -44,7 +44,7 @@ import types
 import torch
 
 from codegen.policy.runtime.base import PolicyError
-from codegen.policy.runtime.kernel import experts_grouped_mm, linear_rows
+from codegen.policy.runtime.kernel import define_op, experts_grouped_mm, linear_rows
 from codegen.policy.runtime.kv_cache import append_in_place
 
 #: the functional all-reduce every reduction of a compiled rank becomes
@@ -64,10 +64,6 @@ GRAPH_ALL_REDUCES = ("codegen.tp_all_reduce", "all_reduce", "allreduce")
 GRAPH_OTHER_COLLECTIVES = ("all_gather", "allgather", "reduce_scatter", "all_to_all", "broadcast")
 
 
-#: the torch.library Libraries this part defines ops through, alive as long as the process (their ops go with them)
-_LIBRARIES: list = []
-
-
 def _op_name(target):
     """`namespace.op[.overload]` of a torch op, the qualified name of a Python function."""
     if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
@@ -75,59 +71,41 @@ def _op_name(target):
     return f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', target)}"
 
 
+def _tp_all_reduce(tensor, after):
+    """The sum over the tensor-parallel group, out of place: DeepSpeed's shared-memory kernel. `after`: the reduction
+    this one must follow (`swap_ops`), not read."""
+    return torch.ops.deepspeed.inference_all_reduce(tensor.contiguous())
+
+
+def _take_rows(input, index):
+    """`input[index]` for a 1-D integer index: whole rows copied (torch's `index_select`)."""
+    return input.index_select(0, index)
+
+
 def register_ops():
     """`codegen::tp_all_reduce`, `codegen::grouped_mm`, `codegen::take_rows` and `codegen::linear_rows`, once per
-    process (every policy file loaded in it shares them: the kernels hold no state of their own)."""
+    process (every policy file loaded in it shares them: the kernels hold no state of their own).
+
+    `grouped_mm`: (S, in) rows sorted by expert @ (E, in, out) per expert, `offs` the groups' ends, the experts that
+    have rows only (codegen.policy.runtime.kernel). torch's CPU `_grouped_mm` visits every expert, empty or not (a
+    decode step routes a token to 8 of 128): measured, a toy Qwen3-MoE decode step on 2 ranks took 5.3-7.0 ms with
+    one matmul per expert that has rows against 7.2-9.3 ms.
+    `linear_rows`: `F.linear(input, weight, bias)`; a decode step's 1-16 rows by the C kernel's dense loop, which
+    streams the weight once for all of them where torch's BLAS (and inductor, which calls it) reads 16 rows at a
+    third of the read bandwidth."""
     if hasattr(torch.ops.codegen, "tp_all_reduce"):
         return
-
-    @torch.library.custom_op(TP_ALL_REDUCE, mutates_args=())
-    def tp_all_reduce(tensor: torch.Tensor, after: torch.Tensor | None) -> torch.Tensor:
-        """The sum over the tensor-parallel group, out of place: DeepSpeed's shared-memory kernel. `after`: the
-        reduction this one must follow (`swap_ops`), not read."""
-        return torch.ops.deepspeed.inference_all_reduce(tensor.contiguous())
-
-    @tp_all_reduce.register_fake
-    def _(tensor, after):
-        return torch.empty_like(tensor, memory_format=torch.contiguous_format)
-
+    define_op(TP_ALL_REDUCE, "Tensor tensor, Tensor? after", _tp_all_reduce,
+              lambda tensor, after: torch.empty_like(tensor, memory_format=torch.contiguous_format))
     # never dead code: a rank whose result does not need a reduction (its LM-head shard is empty under DeepSpeed's
     # grain split at small widths) still owes the other ranks its side of it, or they wait forever
     torch.fx.node.has_side_effect(torch.ops.codegen.tp_all_reduce.default)
-
-    @torch.library.custom_op(GROUPED_MM, mutates_args=())
-    def grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        """(S, in) rows sorted by expert @ (E, in, out) per expert, `offs` the groups' ends: the experts that have
-        rows only (codegen.policy.runtime.kernel). torch's CPU `_grouped_mm` visits every expert, empty or not (a
-        decode step routes a token to 8 of 128): measured, a toy Qwen3-MoE decode step on 2 ranks took 5.3-7.0 ms
-        with one matmul per expert that has rows against 7.2-9.3 ms."""
-        return experts_grouped_mm(input, weight, offs)
-
-    @grouped_mm.register_fake
-    def _(input, weight, offs):
-        return input.new_empty(input.shape[0], weight.shape[-1])
-
-    @torch.library.custom_op(TAKE_ROWS, mutates_args=())
-    def take_rows(input: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """`input[index]` for a 1-D integer index: whole rows copied (torch's `index_select`)."""
-        return input.index_select(0, index)
-
-    @take_rows.register_fake
-    def _(input, index):
-        return input.new_empty(index.shape[0], *input.shape[1:])
-
-    # `F.linear(input, weight, bias)`; a decode step's 1-16 rows by the C kernel's dense loop
-    # (codegen.policy.runtime.kernel), which streams the weight once for all of them where torch's BLAS (and inductor,
-    # which calls it) reads 16 rows at a third of the read bandwidth. Defined through torch.library's Library, not
-    # `custom_op`: a decode step runs it for every dense product (37 a step at toy Qwen1.5-MoE widths), and
-    # `custom_op`'s Python wrapper costs 8.5 us a call where the Library's dispatch costs 1.5 (measured on the Xeon)
-    _LIBRARIES.append(library := torch.library.Library(LINEAR_ROWS.split("::")[0], "FRAGMENT"))
-    library.define(f"{LINEAR_ROWS.split('::')[1]}(Tensor input, Tensor weight, Tensor? bias) -> Tensor")
-    library.impl(LINEAR_ROWS.split("::")[1], linear_rows, "CompositeExplicitAutograd")
-
-    @torch.library.register_fake(LINEAR_ROWS, lib=library)
-    def _(input, weight, bias):
-        return input.new_empty(*input.shape[:-1], weight.shape[0])
+    define_op(GROUPED_MM, "Tensor input, Tensor weight, Tensor offs", experts_grouped_mm,
+              lambda input, weight, offs: input.new_empty(input.shape[0], weight.shape[-1]))
+    define_op(TAKE_ROWS, "Tensor input, Tensor index", _take_rows,
+              lambda input, index: input.new_empty(index.shape[0], *input.shape[1:]))
+    define_op(LINEAR_ROWS, "Tensor input, Tensor weight, Tensor? bias", linear_rows,
+              lambda input, weight, bias: input.new_empty(*input.shape[:-1], weight.shape[0]))
 
 
 def swap_ops(graph):

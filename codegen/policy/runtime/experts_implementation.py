@@ -16,7 +16,7 @@ choice (`eager`, `batched_mm`, a kernel of theirs) is kept.
 import torch
 
 from codegen.policy.runtime.base import GATE_CLAMPED_SWIGLU, GATE_SILU, attribute, expert_paths
-from codegen.policy.runtime.kernel import fused_experts, fused_experts_available
+from codegen.policy.runtime.kernel import define_op, fused_experts, fused_experts_available
 
 #: the experts implementation this part registers with transformers, and the op it runs
 IMPLEMENTATION = "codegen"
@@ -31,17 +31,9 @@ def register_fused_op():
     """`codegen::fused_experts`, once per process: opaque to torch.compile, with a fake kernel for tracing."""
     if hasattr(torch.ops.codegen, "fused_experts"):
         return
-
-    @torch.library.custom_op(FUSED_EXPERTS, mutates_args=())
-    def fused(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: torch.Tensor,
-              down: torch.Tensor, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, gate: str,
-              alpha: float, limit: float) -> torch.Tensor:
-        return fused_experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, gate, alpha,
-                             limit)
-
-    @fused.register_fake
-    def _(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, gate, alpha, limit):
-        return hidden.new_empty(hidden.shape)
+    define_op(FUSED_EXPERTS, "Tensor hidden, Tensor top_k_index, Tensor top_k_weights, Tensor gate_up, Tensor down, "
+              "Tensor? gate_up_bias, Tensor? down_bias, str gate, float alpha, float limit", fused_experts,
+              lambda hidden, *_rest: hidden.new_empty(hidden.shape))
 
 
 def reference_gate(gate, values, params):
