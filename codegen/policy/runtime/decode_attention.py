@@ -2,10 +2,12 @@
 eager attention on a CPU rank.
 
 Eager attention (GPT-OSS's: its sinks rule out SDPA) repeats each kv head's keys for its query heads, multiplies,
-adds the mask, concatenates the sinks, takes a softmax and multiplies again; inductor fuses that but still reads
-the cache once per query head. The kernel reads each kv head's keys and values once for its group of query heads.
-Measured (toy GPT-OSS widths at TP=2: 8 query heads, 2 kv heads, batch 16, 256 cached columns, one thread): 0.30 ms
-against 4.3 ms inductor-compiled and 1.7-6.4 ms eager.
+adds the mask, concatenates the sinks, takes a softmax and multiplies again; inductor fuses that into a few loops
+that still visit each kv head's cache once per query head. The kernel reads each kv head's keys and values once for
+its group of query heads, 16 keys' scores summed at once. Measured (toy GPT-OSS widths at TP=2: 8 query heads, 2 kv
+heads, batch 16, one thread): with the cache in L2, 0.30 ms against 4.3 ms for inductor's loops; inside a compiled
+decode step on 2 ranks, where each step reads the cache from memory, 0.36 ms against 0.45 a layer at 128 cached
+columns (the step itself within noise), and the step at 1024 cached columns 13.3 -> 12.1 ms.
 
 Which attention layers take it is decided by a probe, not by the family: a layer's own eager function (its modeling
 module's `eager_attention_forward`) and the kernel must agree on a random decode call at the layer's shapes, with

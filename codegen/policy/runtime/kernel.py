@@ -31,6 +31,10 @@ registers. Measured on an Intel Xeon (AVX-512), one thread, a weight of 5472x204
 projection at TP=2): 16 rows 9.3 -> 5.8 ms, 8 rows 9.0 -> 3.8, 4 rows 6.7 -> 3.4, 1 row 3.3 -> 3.3; its compiled
 decode step at batch 16 on 2 ranks (full widths, 2 layers) went from 119-129 to 104-108 ms.
 
+And a decode step's attention (`decode_attention`, codegen.policy.runtime.decode_attention): one new token per row
+over its cached keys, each kv head's keys and values read once for its query heads, with optional per-head sinks
+(GPT-OSS's), e^x in vector registers.
+
 It is built once per machine (the system C compiler, `-O3 -march=native`, OpenMP on torch's own runtime) into this
 environment's build dir, keyed by its source, the compiler and the CPU; where it cannot be built, the caller runs
 torch's matmul per expert and says why once.
