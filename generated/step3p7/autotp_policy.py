@@ -41,7 +41,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'step3p7', 'moe_classes': ['Step3p7SparseMoeBlock'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': ['vision_model', 'multi_modal_projector'], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_sliding_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'share_expert_dim', 'intermediate_size'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_step3p7'
-RUNTIME_SHA256 = '4fa8404aa5c8a0455f731d58ed457b1959ad71deb4493ac5d8955722878634a1'
+RUNTIME_SHA256 = 'de7441ea39c7b0ff42b82a5038acbec28334c6bf075df6abc22bb694b307e978'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -2694,7 +2694,8 @@ def decode_attention(query, key, value, mask, sinks, scale):
         0 if rows is None else rows.stride(1), None if head_sinks is None else head_sinks.data_ptr(), scale,
         out.data_ptr(), torch.get_num_threads())
     if status != 0:
-        raise RuntimeError("codegen decode attention: " + ("out of memory" if status == -2 else "shapes it does not take"))
+        raise RuntimeError("codegen decode attention: "
+                           + ("out of memory" if status == -2 else "shapes it does not take"))
     return out
 
 
@@ -2957,7 +2958,9 @@ DECODE_ATTENTION = "codegen::decode_attention"
 #: set on an attention module the probe adopted: the name of its sinks Parameter, or "" for none
 SINKS_ATTR = "_codegen_decode_sinks"
 #: what the kernel takes: head_dim a multiple of its vector width up to 256, up to 16 query heads per kv head
-HEAD_DIM_STEP, HEAD_DIM_MAX, GROUP_MAX = 16, 256, 16
+HEAD_DIM_STEP = 16
+HEAD_DIM_MAX = 256
+GROUP_MAX = 16
 #: agreement the probe asks of the kernel against the layer's eager attention (float32, unit-scale values)
 PROBE_TOLERANCE = {"atol": 1e-5, "rtol": 1e-4}
 
@@ -3044,9 +3047,11 @@ def _sinks_candidates(module):
 
 def use_decode_attention(model):
     """Run the decode steps of `model`'s eager attention layers as `codegen::decode_attention` where the probe
-    agrees; returns a note, or None. Only configs set to eager and read by adopted layers alone are switched."""
+    agrees. Returns None (a note's place in `init_inference`): a layer not adopted keeps its own eager attention,
+    which is what ran before. Only a config set to eager whose attention layers were all adopted is switched."""
     layers = [m for m in model.modules() if hasattr(m, "num_key_value_groups") and family_eager(m) is not None
-              and getattr(getattr(m, "config", None), "_attn_implementation", None) == ATTENTION_REPLACED and not m.training]
+              and getattr(getattr(m, "config", None), "_attn_implementation", None) == ATTENTION_REPLACED
+              and not m.training]
     if not layers:
         return None
     try:

@@ -29,7 +29,9 @@ DECODE_ATTENTION = "codegen::decode_attention"
 #: set on an attention module the probe adopted: the name of its sinks Parameter, or "" for none
 SINKS_ATTR = "_codegen_decode_sinks"
 #: what the kernel takes: head_dim a multiple of its vector width up to 256, up to 16 query heads per kv head
-HEAD_DIM_STEP, HEAD_DIM_MAX, GROUP_MAX = 16, 256, 16
+HEAD_DIM_STEP = 16
+HEAD_DIM_MAX = 256
+GROUP_MAX = 16
 #: agreement the probe asks of the kernel against the layer's eager attention (float32, unit-scale values)
 PROBE_TOLERANCE = {"atol": 1e-5, "rtol": 1e-4}
 
@@ -116,9 +118,11 @@ def _sinks_candidates(module):
 
 def use_decode_attention(model):
     """Run the decode steps of `model`'s eager attention layers as `codegen::decode_attention` where the probe
-    agrees; returns a note, or None. Only configs set to eager and read by adopted layers alone are switched."""
+    agrees. Returns None (a note's place in `init_inference`): a layer not adopted keeps its own eager attention,
+    which is what ran before. Only a config set to eager whose attention layers were all adopted is switched."""
     layers = [m for m in model.modules() if hasattr(m, "num_key_value_groups") and family_eager(m) is not None
-              and getattr(getattr(m, "config", None), "_attn_implementation", None) == ATTENTION_REPLACED and not m.training]
+              and getattr(getattr(m, "config", None), "_attn_implementation", None) == ATTENTION_REPLACED
+              and not m.training]
     if not layers:
         return None
     try:

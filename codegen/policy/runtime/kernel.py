@@ -865,7 +865,8 @@ def decode_attention(query, key, value, mask, sinks, scale):
         0 if rows is None else rows.stride(1), None if head_sinks is None else head_sinks.data_ptr(), scale,
         out.data_ptr(), torch.get_num_threads())
     if status != 0:
-        raise RuntimeError("codegen decode attention: " + ("out of memory" if status == -2 else "shapes it does not take"))
+        raise RuntimeError("codegen decode attention: "
+                           + ("out of memory" if status == -2 else "shapes it does not take"))
     return out
 
 
