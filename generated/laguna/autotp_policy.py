@@ -40,7 +40,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'laguna', 'moe_classes': ['LagunaSparseMoeBlock'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': ['g_proj'], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size', 'shared_expert_intermediate_size'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_laguna'
-RUNTIME_SHA256 = 'de7441ea39c7b0ff42b82a5038acbec28334c6bf075df6abc22bb694b307e978'
+RUNTIME_SHA256 = '80b151ee0cd3b38d5377219aee4b576e98e6b1607d7730b97a1727f8739b8d1d'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -2504,32 +2504,23 @@ int64_t codegen_decode_attention(const float *q, int64_t B, int64_t Hq, int64_t 
                 for (int i = 0; i < LANES; i++) sum += total[i];
                 inv[g] = 1.0f / sum;
             }
-            /* values: each row once for the group's heads, their sums in registers where they fit */
-            if (G * DV <= ATTENTION_VECTORS) {
+            /* values: each row once for as many of the group's heads as have their sums fit in registers */
+            const int64_t per = ATTENTION_VECTORS / DV;
+            for (int64_t g0 = 0; g0 < G; g0 += per) {
+                const int64_t gn = G - g0 < per ? G - g0 : per;
                 lane_vector acc[ATTENTION_VECTORS];
-                for (int64_t a = 0; a < G * DV; a++) acc[a] = (lane_vector){0};
+                for (int64_t a = 0; a < gn * DV; a++) acc[a] = (lane_vector){0};
                 for (int64_t s = 0; s < S; s++) {
                     const float *vr = vb + s * svs;
                     for (int64_t j = 0; j < DV; j++) {
                         const lane_vector vv = *(const lane_vector *)(vr + j * LANES);
-                        for (int64_t g = 0; g < G; g++) acc[g * DV + j] += scores[g * SP + s] * vv;
+                        for (int64_t g = 0; g < gn; g++) acc[g * DV + j] += scores[(g0 + g) * SP + s] * vv;
                     }
                 }
-                for (int64_t g = 0; g < G; g++)
-                    for (int64_t j = 0; j < DV; j++)
-                        *(lane_vector *)(out + (b * Hq + h * G + g) * D + j * LANES) = acc[g * DV + j] * inv[g];
-                continue;
-            }
-            for (int64_t g = 0; g < G; g++) {
-                lane_vector acc[ATTENTION_VECTORS];
-                for (int64_t j = 0; j < DV; j++) acc[j] = (lane_vector){0};
-                const float *sg = scores + g * SP;
-                for (int64_t s = 0; s < S; s++) {
-                    const float *vr = vb + s * svs;
-                    for (int64_t j = 0; j < DV; j++) acc[j] += sg[s] * *(const lane_vector *)(vr + j * LANES);
+                for (int64_t g = 0; g < gn; g++) {
+                    float *row = out + (b * Hq + h * G + g0 + g) * D;
+                    for (int64_t j = 0; j < DV; j++) *(lane_vector *)(row + j * LANES) = acc[g * DV + j] * inv[g0 + g];
                 }
-                for (int64_t j = 0; j < DV; j++)
-                    *(lane_vector *)(out + (b * Hq + h * G + g) * D + j * LANES) = acc[j] * inv[g];
             }
         }
     free(buffer);
