@@ -1802,11 +1802,12 @@ def test_compiled_ranks_swap_every_reduction_for_the_ordered_functional_op():
     assert rt.swap_ops(graph) == {"all_reduce": 2, "grouped_mm": 1, "take_rows": 0, "linear_rows": 0, "matmul_folded": 0}
     graph.lint()
     reductions = [n for n in graph.nodes if n.target is torch.ops.codegen.tp_all_reduce.default]
-    # each after the one before it: inductor cannot reorder them, so every rank issues them in one order
-    assert [r.args[1] for r in reductions] == [None, reductions[0]]
+    # each after the one before it (it reads the tensor that one reduced): inductor cannot reorder them, so every
+    # rank issues them in one order
+    assert [r.args[1] for r in reductions] == [None, a]
+    # in place, as the eager op: what reads `a` and `b` later reads their sums, and nothing copies them
     assert [r.args[0] for r in reductions] == [a, b]
-    # the in-place result is written back where the eager op wrote it: what reads `b` later reads the sum
-    assert [n.args for n in graph.nodes if n.op == "call_method"] == [(a, reductions[0]), (b, reductions[1])]
+    assert not [n for n in graph.nodes if n.op == "call_method"]
     assert c.target is torch.ops.codegen.grouped_mm.default
     assert rt.graph_collectives(graph) == (2, 0)
     assert not any(n.target in (deepspeed_reduce, fallback) for n in graph.nodes)
@@ -2174,9 +2175,9 @@ def _attention_layer(model):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
 def test_the_decode_attention_kernel_is_the_familys_eager_attention(family, threads):
-    """`codegen::decode_attention` against transformers' own eager attention of the family (GPT-OSS: sinks and
-    grouped heads; Qwen3-MoE: no sinks): 1 to 40 cached columns (not a multiple of 16 included), keys and values as
-    views of a larger store, masks with min and -inf columns, a mask shared by the batch."""
+    """`codegen::eager_attention` for one new token against transformers' own eager attention of the family
+    (GPT-OSS: sinks and grouped heads; Qwen3-MoE: no sinks): 1 to 40 cached columns (not a multiple of 16 included),
+    keys and values as views of a larger store, masks with min and -inf columns, a mask shared by the batch."""
     model = _tiny_model(family)
     layer = _attention_layer(model)
     eager = rt.family_eager(layer)
@@ -2198,17 +2199,57 @@ def test_the_decode_attention_kernel_is_the_familys_eager_attention(family, thre
                 assert rt.kernel_takes(query, key, value, rows)
                 with torch.no_grad():
                     want = eager(layer, query, key, value, rows, scaling=layer.scaling, dropout=0.0)[0]
-                    got = rt.decode_attention(query, key, value, rows, None if sinks is None else sinks.detach(),
-                                              layer.scaling)
+                    got = rt.eager_attention(query, key, value, rows, None if sinks is None else sinks.detach(),
+                                             layer.scaling)
                 assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5, rtol=1e-4), (family, length)
     finally:
         torch.set_num_threads(before)
-    two_tokens = torch.randn(3, heads, 2, dim)
-    assert not rt.kernel_takes(two_tokens, key, value, None)  # a prefill's: the family's eager attention
     assert not rt.kernel_takes(query.to(torch.bfloat16), key, value, None)
+    assert not rt.kernel_takes(torch.randn(3, heads, 1, 24), torch.randn(3, kv_heads, 5, 24),
+                               torch.randn(3, kv_heads, 5, 24), None)  # a head_dim the decode kernel does not take
 
 
-def test_the_policy_runs_eager_decode_attention_as_the_kernel_where_the_probe_agrees(monkeypatch):
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+def test_the_prefill_attention_kernel_is_the_familys_eager_attention(family, threads):
+    """`codegen::eager_attention` for several new tokens against the family's own eager attention: prompts of 2 to
+    70 tokens (more than one block of query rows), after 0 or 9 cached columns, causal masks with a sliding window or
+    without, left padding (a row every key of which is masked included), a mask shared by the batch, no mask, and
+    query, keys and values as strided views."""
+    model = _tiny_model(family)
+    layer = _attention_layer(model)
+    eager = rt.family_eager(layer)
+    sinks = getattr(layer, "sinks", None)
+    heads, dim = model.config.num_attention_heads, layer.head_dim
+    kv_heads = heads // layer.num_key_value_groups
+    generator = torch.Generator().manual_seed(3)
+    least = torch.finfo(torch.float32).min
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for new, cached, window in ((2, 0, None), (33, 0, None), (70, 9, None), (70, 0, 20), (5, 9, 4)):
+            length = cached + new
+            query = torch.randn(2, new, heads, dim, generator=generator).transpose(1, 2)
+            store = torch.randn(2, 2, kv_heads, length + 4, dim, generator=generator)
+            key, value = store[0, :, :, 1:1 + length], store[1, :, :, 1:1 + length]
+            column, row = torch.arange(length)[None, :], torch.arange(cached, length)[:, None]
+            hidden = (column > row) if window is None else (column > row) | (column <= row - window)
+            mask = torch.zeros(2, 1, new, length).masked_fill(hidden, least)
+            mask[1, ..., :3] = float("-inf") if window else least
+            mask[0, :, 0, :] = least  # a row that masks every key: eager's softmax is then over all of them
+            for rows in (mask, mask[:1], None):
+                assert rt.kernel_takes(query, key, value, rows)
+                with torch.no_grad():
+                    want = eager(layer, query, key, value, rows, scaling=layer.scaling, dropout=0.0)[0]
+                    got = rt.eager_attention(query, key, value, rows, None if sinks is None else sinks.detach(),
+                                             layer.scaling)
+                assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5, rtol=1e-4), \
+                    (family, new, cached, window)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_policy_runs_eager_attention_as_the_kernels_where_the_probe_agrees(monkeypatch):
     """GPT-OSS (eager: its sinks rule out SDPA) switches to `codegen_eager`: every attention layer adopted, greedy
     tokens and logits as before; a model on SDPA is left alone; an eager attention computing something else (a
     different scaling) fails the probe and keeps its own, its config untouched."""
@@ -2225,16 +2266,16 @@ def test_the_policy_runs_eager_decode_attention_as_the_kernel_where_the_probe_ag
         return out.sequences, torch.stack(out.logits)
 
     want_tokens, want_logits = greedy()
-    assert rt.use_decode_attention(model) is None
+    assert rt.use_eager_attention_kernel(model) is None
     assert model.config._attn_implementation == rt.ATTENTION_IMPLEMENTATION
-    assert rt.decode_attention_layer_count(model) == model.config.num_hidden_layers
+    assert rt.attention_kernel_layer_count(model) == model.config.num_hidden_layers
     got_tokens, got_logits = greedy()
     assert torch.equal(got_tokens, want_tokens)
     assert (got_logits - want_logits).abs().max().item() <= 1e-5 * want_logits.abs().max().item()
 
     sdpa = _tiny_model("qwen3_moe")
     sdpa.config._attn_implementation = "sdpa"
-    assert rt.use_decode_attention(sdpa) is None and rt.decode_attention_layer_count(sdpa) == 0
+    assert rt.use_eager_attention_kernel(sdpa) is None and rt.attention_kernel_layer_count(sdpa) == 0
     assert sdpa.config._attn_implementation == "sdpa"
 
     capped = _tiny_model("gpt_oss")
@@ -2245,14 +2286,15 @@ def test_the_policy_runs_eager_decode_attention_as_the_kernel_where_the_probe_ag
         return own(layer, query, key, value, mask, scaling * 0.5, dropout=dropout, **kwargs)
 
     monkeypatch.setattr(module, "eager_attention_forward", softcapped)
-    assert rt.use_decode_attention(capped) is None and rt.decode_attention_layer_count(capped) == 0
+    assert rt.use_eager_attention_kernel(capped) is None and rt.attention_kernel_layer_count(capped) == 0
     assert capped.config._attn_implementation == rt.ATTENTION_REPLACED
 
     with FakeTensorMode() as mode:
-        fake = torch.ops.codegen.decode_attention(mode.from_tensor(torch.randn(2, 8, 1, 16)),
+        fake = [torch.ops.codegen.eager_attention(mode.from_tensor(torch.randn(2, 8, rows, 16)),
                                                   mode.from_tensor(torch.randn(2, 2, 5, 16)),
                                                   mode.from_tensor(torch.randn(2, 2, 5, 16)), None, None, 0.25)
-    assert tuple(fake.shape) == (2, 1, 8, 16)
+                for rows in (1, 3)]
+    assert [tuple(f.shape) for f in fake] == [(2, 1, 8, 16), (2, 3, 8, 16)]
 
 
 def test_offsets_past_the_rows_are_left_to_torch_not_read_by_the_kernel():

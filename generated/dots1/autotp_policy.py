@@ -39,7 +39,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'dots1', 'moe_classes': ['Dots1MoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_dots1'
-RUNTIME_SHA256 = '80b151ee0cd3b38d5377219aee4b576e98e6b1607d7730b97a1727f8739b8d1d'
+RUNTIME_SHA256 = 'e11d0e8c15dbc4360bc597150f1ca315d574ae6f040977367141676c2f6de99a'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -1860,9 +1860,10 @@ registers. Measured on an Intel Xeon (AVX-512), one thread, a weight of 5472x204
 projection at TP=2): 16 rows 9.3 -> 5.8 ms, 8 rows 9.0 -> 3.8, 4 rows 6.7 -> 3.4, 1 row 3.3 -> 3.3; its compiled
 decode step at batch 16 on 2 ranks (full widths, 2 layers) went from 119-129 to 104-108 ms.
 
-And a decode step's attention (`decode_attention`, codegen.policy.runtime.decode_attention): one new token per row
-over its cached keys, each kv head's keys and values read once for its query heads, with optional per-head sinks
-(GPT-OSS's), e^x in vector registers.
+And eager attention (codegen.policy.runtime.eager_attention): a decode step's (`decode_attention`: one new token
+per row over its cached keys, each kv head's keys and values read once for its query heads) and a prefill's
+(`prefill_attention`: blocks of query rows over the keys they do not all mask, by sgemm), with optional per-head
+sinks (GPT-OSS's), e^x in vector registers.
 
 It is built once per machine (the system C compiler, `-O3 -march=native`, OpenMP on torch's own runtime) into this
 environment's build dir, keyed by its source, the compiler and the CPU; where it cannot be built, the caller runs
@@ -1892,9 +1893,10 @@ SMALL_GROUP_ROWS = 16
 _LIBRARIES: list = []
 
 
-def define_op(name, arguments, impl, fake):
+def define_op(name, arguments, impl, fake, returns="Tensor"):
     """The op `name` ("codegen::x"), taking `arguments` (a schema's, e.g. "Tensor input, Tensor? bias") and
-    returning one new Tensor: run by `impl`, traced by torch.compile through `fake`, opaque to it.
+    returning `returns` (one new Tensor; "()" for an op that writes into an argument marked `Tensor(a!)`): run by
+    `impl`, traced by torch.compile through `fake`, opaque to it.
 
     Defined through torch.library's Library, not `custom_op`: a decode step runs 20-40 of these ops, and
     `custom_op`'s Python wrapper costs about 9 us a call where the Library's dispatch costs 3 (measured on the Xeon,
@@ -1902,7 +1904,7 @@ def define_op(name, arguments, impl, fake):
     namespace, op = name.split("::")
     library = torch.library.Library(namespace, "FRAGMENT")
     _LIBRARIES.append(library)
-    library.define(f"{op}({arguments}) -> Tensor")
+    library.define(f"{op}({arguments}) -> {returns}")
     library.impl(op, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(name, lib=library)(fake)
 
@@ -1912,6 +1914,7 @@ _HEAD = r"""
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+#include <float.h>
 
 #ifndef MAX_ROWS
 #error "build with -DMAX_ROWS=<SMALL_GROUP_ROWS>"
@@ -2527,6 +2530,92 @@ int64_t codegen_decode_attention(const float *q, int64_t B, int64_t Hq, int64_t 
 }
 """
 
+_PREFILL_ATTENTION = r"""
+#define PREFILL_ROWS 32  /* query rows per task: their scores (rows x keys) stay in L2, and a causal mask lets a block
+                            skip the keys every row of it masks */
+
+/* the key columns [lo, hi) that some row of a block does not mask (an additive mask's masked entries are its dtype's
+   min or -inf: they add e^(min - max) = 0 to a row's sum); all of them where a row masks every key (its softmax is
+   then over all of them, as eager's) */
+static void unmasked_columns(const float *mask, int64_t smq, int64_t sms, int64_t rows, int64_t S, int64_t *lo,
+                             int64_t *hi) {
+    int64_t first = S, last = -1;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *mr = mask + r * smq;
+        int64_t a = 0, z = S - 1;
+        while (a < S && mr[a * sms] <= -FLT_MAX) a++;
+        if (a == S) { *lo = 0; *hi = S; return; }
+        while (mr[z * sms] <= -FLT_MAX) z--;
+        if (a < first) first = a;
+        if (z > last) last = z;
+    }
+    *lo = first; *hi = last + 1;
+}
+
+/* Attention of Q query rows per sequence over S keys (a prefill), grouped heads, optional per-head sinks and an
+   additive mask: out (B, Q, Hq, D) contiguous (eager attention's layout) = the values weighted by softmax([q.k *
+   scale + mask, sink]) without the sink's own share. Each task is one sequence, kv head and block of query rows:
+   for each query head of the group, the scores of the keys some row of the block does not mask by BLAS's sgemm, the
+   softmax in vector registers, then the weighted values by sgemm. q (B, Hq, Q, D) with strides (sqb, sqh, sqq), k
+   and v (B, Hkv, S, D), D's stride 1 throughout; mask (B, Q, S) with strides (smb, smq, sms) or NULL; sinks (Hq) or
+   NULL. Returns 0, -1 for shapes it does not take, -2 when out of memory. */
+int64_t codegen_prefill_attention(const float *q, int64_t B, int64_t Hq, int64_t Q, int64_t D, int64_t sqb,
+                                  int64_t sqh, int64_t sqq, const float *k, const float *v, int64_t Hkv, int64_t S,
+                                  int64_t skb, int64_t skh, int64_t sks, int64_t svb, int64_t svh, int64_t svs,
+                                  const float *mask, int64_t smb, int64_t smq, int64_t sms, const float *sinks,
+                                  float scale, float *out, void *sgemm_address, int threads) {
+    const sgemm_fn sgemm = (sgemm_fn)sgemm_address;
+    if (!sgemm || B < 1 || Q < 1 || S < 1 || Hkv < 1 || Hq % Hkv || D < 1) return -1;
+    const int64_t G = Hq / Hkv, rows = Q < PREFILL_ROWS ? Q : PREFILL_ROWS, blocks = (Q + rows - 1) / rows;
+    const int64_t SP = (S + LANES - 1) / LANES * LANES, tasks = B * Hkv * blocks;
+    int64_t failed = 0;
+    #pragma omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1 && tasks > 1)
+    for (int64_t t = 0; t < tasks; t++) {
+        const int64_t b = t / (Hkv * blocks), h = t / blocks % Hkv, q0 = t % blocks * rows;
+        const int64_t n = Q - q0 < rows ? Q - q0 : rows;
+        const float *mb = mask ? mask + b * smb + q0 * smq : NULL;
+        float *scores = (float *)malloc(rows * SP * sizeof(float));
+        if (!scores) {
+            #pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        int64_t lo = 0, hi = S;
+        if (mb) unmasked_columns(mb, smq, sms, n, S, &lo, &hi);
+        const int64_t width = hi - lo, ld = (width + LANES - 1) / LANES * LANES;
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t head = h * G + g;
+            matmul_by_blas(sgemm, q + b * sqb + head * sqh + q0 * sqq, sqq, k + b * skb + h * skh + lo * sks, 1, sks,
+                           D, width, n, scores, ld);
+            const float sink = sinks ? sinks[head] : -INFINITY;
+            for (int64_t r = 0; r < n; r++) {
+                float *sr = scores + r * ld, m = sink;
+                const float *mr = mb ? mb + r * smq + lo * sms : NULL;
+                for (int64_t s = 0; s < width; s++) {
+                    sr[s] = sr[s] * scale + (mr ? mr[s * sms] : 0.0f);
+                    m = sr[s] > m ? sr[s] : m;
+                }
+                for (int64_t s = width; s < ld; s++) sr[s] = -INFINITY;
+                lane_vector total = {0};
+                for (int64_t s = 0; s < ld; s += LANES) {
+                    const lane_vector e = exp_lanes(*(lane_vector *)(sr + s) - m);
+                    *(lane_vector *)(sr + s) = e;
+                    total += e;
+                }
+                float sum = sinks ? expf(sink - m) : 0.0f;
+                for (int i = 0; i < LANES; i++) sum += total[i];
+                const float inv = 1.0f / sum;
+                for (int64_t s = 0; s < ld; s += LANES) *(lane_vector *)(sr + s) *= inv;
+            }
+            matmul_by_blas(sgemm, scores, ld, v + b * svb + h * svh + lo * svs, svs, 1, width, D, n,
+                           out + ((b * Q + q0) * Hq + head) * D, Hq * D);
+        }
+        free(scores);
+    }
+    return failed ? -2 : 0;
+}
+"""
+
 
 def _task_for(task: str, suffix: str, weight: str, load: str) -> str:
     return (task.replace("_TYPE(", f"_{suffix}(").replace("WEIGHT", weight)
@@ -2536,7 +2625,8 @@ def _task_for(task: str, suffix: str, weight: str, load: str) -> str:
 _BF16 = ("bf16", "uint16_t", "f32_of_bf16")
 #: the kernel's C source: float32 and bfloat16 weights, float32 rows and sums
 GROUPED_MM_SOURCE = (_HEAD + _task_for(_ROWS_TASK, "f32", "float", "") + _task_for(_ROWS_TASK, *_BF16)
-                     + _task_for(_COLUMNS_TASK, *_BF16) + _LINEAR + _ATTENTION + _ENTRY + _FUSED)
+                     + _task_for(_COLUMNS_TASK, *_BF16) + _LINEAR + _ATTENTION + _ENTRY + _FUSED
+                     + _PREFILL_ATTENTION)
 #: the gates the fused experts compute, by their code in the C source (GATE_SILU, GATE_CLAMPED_SWIGLU there)
 GATE_CODES = {GATE_SILU: 0, GATE_CLAMPED_SWIGLU: 1}
 #: the weight dtypes the kernel reads
@@ -2618,6 +2708,11 @@ def grouped_mm_kernel():
                           i64, ptr, ctypes.c_float, ptr, ctypes.c_int]
     attention.restype = i64
     function.decode_attention = attention
+    prefill = library.codegen_prefill_attention
+    prefill.argtypes = [ptr, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ptr,
+                        i64, i64, i64, ptr, ctypes.c_float, ptr, ptr, ctypes.c_int]
+    prefill.restype = i64
+    function.prefill_attention = prefill
     return function
 
 
@@ -2668,7 +2763,7 @@ def decode_attention(query, key, value, mask, sinks, scale):
 
     query (B, Hq, 1, D), key and value (B, Hkv, S, D) (a cache store's views), all float32 on CPU; mask additive,
     broadcastable to (B, 1, 1, S), or None; sinks (Hq,) or None: a per-head logit in the softmax's sum only, as
-    GPT-OSS's. The caller checks the shapes first (codegen.policy.runtime.decode_attention's `kernel_takes`)."""
+    GPT-OSS's. The caller checks the shapes first (codegen.policy.runtime.eager_attention's `kernel_takes`)."""
     kernel = grouped_mm_kernel()
     batch, heads, _, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
@@ -2687,6 +2782,27 @@ def decode_attention(query, key, value, mask, sinks, scale):
                            + ("out of memory" if status == -2 else "shapes it does not take"))
     return out
 
+
+def prefill_attention(query, key, value, mask, sinks, scale):
+    """Several new tokens per row attending to their keys (a prefill): (B, Q, Hq, D), the layout eager attention
+    returns. query (B, Hq, Q, D), key and value (B, Hkv, S, D), all float32 on CPU; mask additive, broadcastable to
+    (B, 1, Q, S), or None; sinks (Hq,) or None. The caller checks the shapes first."""
+    kernel = grouped_mm_kernel()
+    batch, heads, rows, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    masks = None if mask is None else mask.expand(batch, 1, rows, length)[:, 0]
+    head_sinks = None if sinks is None else sinks.to(torch.float32).contiguous()
+    out = q.new_empty(batch, rows, heads, dim)
+    mask_args = (None, 0, 0, 0) if masks is None else (masks.data_ptr(), *masks.stride())
+    status = kernel.prefill_attention(
+        q.data_ptr(), batch, heads, rows, dim, *q.stride()[:3], k.data_ptr(), v.data_ptr(), kv_heads, length,
+        *k.stride()[:3], *v.stride()[:3], *mask_args, None if head_sinks is None else head_sinks.data_ptr(), scale,
+        out.data_ptr(), blas_sgemm_address(), torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError("codegen prefill attention: "
+                           + ("out of memory" if status == -2 else "shapes it does not take"))
+    return out
 
 def experts_grouped_mm(input, weight, offs):
     """(S, in) rows sorted by expert @ (E, in, out) per expert, `offs` the groups' ends; rows past the last group
@@ -2916,23 +3032,28 @@ def fused_module_count(model):
     return sum(1 for m in model.modules() if getattr(m, FUSED_ATTR, None) is not None)
 
 
-# ---- codegen/policy/runtime/decode_attention.py ----
-"""A decode step's attention as one C call per layer (`codegen::decode_attention`) where a model runs transformers'
-eager attention on a CPU rank.
+# ---- codegen/policy/runtime/eager_attention.py ----
+"""Eager attention as one C call per layer (`codegen::eager_attention`) where a model runs transformers' eager
+attention on a CPU rank: a decode step's and a prefill's.
 
 Eager attention (GPT-OSS's: its sinks rule out SDPA) repeats each kv head's keys for its query heads, multiplies,
 adds the mask, concatenates the sinks, takes a softmax and multiplies again; inductor fuses that into a few loops
-that still visit each kv head's cache once per query head. The kernel reads each kv head's keys and values once for
-its group of query heads, 16 keys' scores summed at once. Measured (toy GPT-OSS widths at TP=2: 8 query heads, 2 kv
-heads, batch 16, one thread): with the cache in L2, 0.30 ms against 4.3 ms for inductor's loops; inside a compiled
-decode step on 2 ranks, where each step reads the cache from memory, 0.36 ms against 0.45 a layer at 128 cached
-columns (the step itself within noise), and the step at 1024 cached columns 13.3 -> 12.1 ms.
+that still visit each kv head's cache once per query head, and a prefill writes and reads every score in memory
+three times. The decode kernel reads each kv head's keys and values once for its group of query heads, 16 keys'
+scores summed at once. Measured (toy GPT-OSS widths at TP=2: 8 query heads, 2 kv heads, batch 16, one thread): with
+the cache in L2, 0.30 ms against 4.3 ms for inductor's loops; inside a compiled decode step on 2 ranks, where each
+step reads the cache from memory, 0.36 ms against 0.45 a layer at 128 cached columns (the step itself within noise),
+and the step at 1024 cached columns 13.3 -> 12.1 ms. The prefill kernel takes 32 query rows of a head at a time:
+their scores over only the keys some row of them does not mask (a causal or sliding window skips the rest) by BLAS,
+the softmax in vector registers while the scores are in L2, the values by BLAS (same widths, 128-token prompts,
+one thread: 6.3 ms a layer against eager's 25.5).
 
 Which attention layers take it is decided by a probe, not by the family: a layer's own eager function (its modeling
-module's `eager_attention_forward`) and the kernel must agree on a random decode call at the layer's shapes, with
-the layer's sinks or without. A family whose eager attention computes anything else (a softcap, a scaling of its
-own) keeps it. Calls that are not a float32 CPU decode call (a prefill, several new tokens, training, dropout, a
-mask that is not additive float32) run the layer's eager function as before.
+module's `eager_attention_forward`) and the kernel must agree on a random decode call and a random prefill call at
+the layer's shapes, with the layer's sinks or without. A family whose eager attention computes anything else (a
+softcap, a scaling of its own) keeps it. Calls the kernel does not take (not float32 on CPU, training, dropout, a
+mask that is not additive float32, a head_dim or group the decode kernel does not take) run the layer's eager
+function as before.
 """
 
 import sys
@@ -2943,10 +3064,10 @@ import torch
 #: the attention implementation this part registers with transformers (masks: eager's), and the op it runs
 ATTENTION_IMPLEMENTATION = "codegen_eager"
 ATTENTION_REPLACED = "eager"
-DECODE_ATTENTION = "codegen::decode_attention"
+EAGER_ATTENTION = "codegen::eager_attention"
 #: set on an attention module the probe adopted: the name of its sinks Parameter, or "" for none
-SINKS_ATTR = "_codegen_decode_sinks"
-#: what the kernel takes: head_dim a multiple of its vector width up to 256, up to 16 query heads per kv head
+SINKS_ATTR = "_codegen_attention_sinks"
+#: what the decode kernel takes: head_dim a multiple of its vector width up to 256, up to 16 query heads per kv head
 HEAD_DIM_STEP = 16
 HEAD_DIM_MAX = 256
 GROUP_MAX = 16
@@ -2954,13 +3075,20 @@ GROUP_MAX = 16
 PROBE_TOLERANCE = {"atol": 1e-5, "rtol": 1e-4}
 
 
-def register_decode_attention_op():
-    """`codegen::decode_attention`, once per process: opaque to torch.compile, with a fake kernel for tracing."""
-    if hasattr(torch.ops.codegen, "decode_attention"):
+def eager_attention(query, key, value, mask, sinks, scale):
+    """(B, Q, Hq, D): the decode kernel for one new token per row, the prefill kernel for more."""
+    if query.shape[2] == 1:
+        return decode_attention(query, key, value, mask, sinks, scale)
+    return prefill_attention(query, key, value, mask, sinks, scale)
+
+
+def register_eager_attention_op():
+    """`codegen::eager_attention`, once per process: opaque to torch.compile, with a fake kernel for tracing."""
+    if hasattr(torch.ops.codegen, "eager_attention"):
         return
-    define_op(DECODE_ATTENTION, "Tensor query, Tensor key, Tensor value, Tensor? mask, Tensor? sinks, float scale",
-              decode_attention, lambda query, *_rest: query.new_empty(query.shape[0], 1, query.shape[1],
-                                                                       query.shape[3]))
+    define_op(EAGER_ATTENTION, "Tensor query, Tensor key, Tensor value, Tensor? mask, Tensor? sinks, float scale",
+              eager_attention, lambda query, *_rest: query.new_empty(query.shape[0], query.shape[2], query.shape[1],
+                                                                      query.shape[3]))
 
 
 def family_eager(module):
@@ -2969,38 +3097,55 @@ def family_eager(module):
 
 
 def kernel_takes(query, key, value, mask):
-    """Whether a call is one the kernel computes: one new token per row, float32 on CPU, shapes it takes."""
-    if query.dim() != 4 or key.dim() != 4 or value.shape != key.shape or query.shape[2] != 1:
+    """Whether a call is one the kernels compute: float32 on CPU, grouped heads, an additive mask of the scores'
+    shape (or broadcast to it); one new token per row only where the decode kernel takes head_dim and group. Plain
+    shape checks (torch.compile traces them); whether BLAS is there is the probe's to find out."""
+    if query.dim() != 4 or key.dim() != 4 or value.shape != key.shape:
         return False
     tensors = (query, key, value) if mask is None else (query, key, value, mask)
     if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
         return False
-    batch, heads, _, dim = query.shape
-    kv_heads = key.shape[1]
-    if key.shape[0] != batch or key.shape[3] != dim or key.shape[2] < 1 or kv_heads < 1 or heads % kv_heads:
+    batch, heads, rows, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    if key.shape[0] != batch or key.shape[3] != dim or length < 1 or rows < 1 or kv_heads < 1 or heads % kv_heads:
         return False
-    if dim % HEAD_DIM_STEP or dim > HEAD_DIM_MAX or heads // kv_heads > GROUP_MAX:
+    if rows == 1 and (dim % HEAD_DIM_STEP or dim > HEAD_DIM_MAX or heads // kv_heads > GROUP_MAX):
         return False
     if mask is not None:
-        if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1 or mask.shape[0] not in (1, batch) \
-                or mask.shape[3] not in (1, key.shape[2]):
+        if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[0] not in (1, batch) \
+                or mask.shape[2] not in (1, rows) or mask.shape[3] not in (1, length):
             return False
     return True
 
 
 def codegen_eager_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """The kernel for an adopted layer's float32 CPU decode calls; the layer's own eager attention otherwise."""
+    """The kernels for an adopted layer's float32 CPU calls; the layer's own eager attention otherwise."""
     sinks_name = getattr(module, SINKS_ATTR, None)
     if (sinks_name is not None and isinstance(scaling, float) and not dropout and not module.training
             and not kwargs.get("output_attentions") and kernel_takes(query, key, value, attention_mask)):
         sinks = getattr(module, sinks_name) if sinks_name else None
-        return torch.ops.codegen.decode_attention(query, key, value, attention_mask, sinks, scaling), None
+        return torch.ops.codegen.eager_attention(query, key, value, attention_mask, sinks, scaling), None
     return family_eager(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                 **kwargs)
 
 
+def _probe_calls(heads, groups, dim, generator):
+    """A random decode call (one token over 19 cached columns, the first 5 of a row masked) and a random prefill
+    call (7 tokens after 12 cached, causal, one row's first 3 masked), keys and values as views of a cache store."""
+    batch, cached, new = 2, 12, 7
+    for rows, length in ((1, 19), (new, cached + new)):
+        query = torch.randn(batch, rows, heads, dim, generator=generator).transpose(1, 2)
+        store = torch.randn(2, batch, heads // groups, length + 5, dim, generator=generator)
+        mask = torch.zeros(batch, 1, rows, length)
+        if rows > 1:
+            later = torch.arange(length)[None, :] > torch.arange(cached, length)[:, None]
+            mask.masked_fill_(later, torch.finfo(torch.float32).min)
+        mask[0, ..., :5 if rows == 1 else 3] = torch.finfo(torch.float32).min
+        yield query, store[0, :, :, 2:2 + length], store[1, :, :, 2:2 + length], mask
+
+
 def _probe(module, sinks_name):
-    """Whether the layer's eager attention and the kernel agree on a random decode call at the layer's shapes."""
+    """Whether the layer's eager attention and the kernels agree on random calls at the layer's shapes."""
     sinks = getattr(module, sinks_name) if sinks_name else None
     groups = int(getattr(module, "num_key_value_groups", 0) or 0)
     dim = int(getattr(module, "head_dim", 0) or 0)
@@ -3008,22 +3153,19 @@ def _probe(module, sinks_name):
     heads = sinks.shape[0] if sinks is not None else groups
     if groups < 1 or dim < 1 or heads % groups or not isinstance(scaling, float):
         return False
-    generator = torch.Generator().manual_seed(0)
-    batch, length = 2, 19
-    query = torch.randn(batch, 1, heads, dim, generator=generator).transpose(1, 2)
-    store = torch.randn(2, batch, heads // groups, length + 5, dim, generator=generator)
-    key, value = store[0, :, :, 2:2 + length], store[1, :, :, 2:2 + length]
-    mask = torch.zeros(batch, 1, 1, length)
-    mask[0, ..., :5] = torch.finfo(torch.float32).min
-    if not kernel_takes(query, key, value, mask):
-        return False
-    try:
-        with torch.no_grad():
-            expected = family_eager(module)(module, query, key, value, mask, scaling=scaling, dropout=0.0)[0]
-            got = decode_attention(query, key, value, mask, None if sinks is None else sinks.detach().float(), scaling)
-    except (RuntimeError, TypeError, ValueError, AttributeError, IndexError):
-        return False
-    return expected.shape == got.shape and torch.allclose(expected.float(), got, **PROBE_TOLERANCE)
+    head_sinks = None if sinks is None else sinks.detach().float()
+    for query, key, value, mask in _probe_calls(heads, groups, dim, torch.Generator().manual_seed(0)):
+        if not kernel_takes(query, key, value, mask):
+            return False
+        try:
+            with torch.no_grad():
+                expected = family_eager(module)(module, query, key, value, mask, scaling=scaling, dropout=0.0)[0]
+                got = eager_attention(query, key, value, mask, head_sinks, scaling)
+        except (RuntimeError, TypeError, ValueError, AttributeError, IndexError):
+            return False
+        if expected.shape != got.shape or not torch.allclose(expected.float(), got, **PROBE_TOLERANCE):
+            return False
+    return True
 
 
 def _sinks_candidates(module):
@@ -3034,9 +3176,8 @@ def _sinks_candidates(module):
     return [""]
 
 
-def use_decode_attention(model):
-    """Run the decode steps of `model`'s eager attention layers as `codegen::decode_attention` where the probe
-    agrees. Returns None (a note's place in `init_inference`): a layer not adopted keeps its own eager attention,
+def use_eager_attention_kernel(model):
+    """Run `model`'s eager attention layers as `codegen::eager_attention` where the probe agrees. Returns None (a note's place in `init_inference`): a layer not adopted keeps its own eager attention,
     which is what ran before. Only a config set to eager whose attention layers were all adopted is switched."""
     layers = [m for m in model.modules() if hasattr(m, "num_key_value_groups") and family_eager(m) is not None
               and getattr(getattr(m, "config", None), "_attn_implementation", None) == ATTENTION_REPLACED
@@ -3061,7 +3202,7 @@ def use_decode_attention(model):
     switched = [config for config, readers in configs.values() if all(id(m) in adopted for m in readers)]
     if not switched:
         return None
-    register_decode_attention_op()
+    register_eager_attention_op()
     ALL_ATTENTION_FUNCTIONS.register(ATTENTION_IMPLEMENTATION, codegen_eager_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_IMPLEMENTATION, eager_mask)
     for config in switched:
@@ -3071,8 +3212,8 @@ def use_decode_attention(model):
     return None
 
 
-def decode_attention_layer_count(model):
-    """How many attention layers of `model` run the kernel in decode (what the tests check)."""
+def attention_kernel_layer_count(model):
+    """How many attention layers of `model` run the kernels (what the tests check)."""
     return sum(1 for m in model.modules() if getattr(m, SINKS_ATTR, None) is not None)
 
 
@@ -3234,7 +3375,10 @@ updates: thousands of small eager ops fused), but two ops the eager model issues
 
 - DeepSpeed's in-place shared-memory all-reduce (`deepspeed::inference_all_reduce_`, issued by the MoE blocks'
   reducer and DeepSpeed's own row-parallel layers): inductor schedules it so that the ranks' results diverge, then
-  they hang. It becomes `codegen::tp_all_reduce`, out of place, on DeepSpeed's kernel;
+  they hang. It becomes `codegen::tp_all_reduce`, in place on DeepSpeed's kernel too, but declared so (its tensor
+  `Tensor(a!)`) and ordered after the reduction before it: inductor runs it on the tensor itself where nothing reads
+  that tensor's old value (an out-of-place op cost a copy in and a copy back of every reduced tensor: at a batch-16
+  prefill of toy GPT-OSS widths, 9 of 4 MiB each way, 11% of the prefill);
 - transformers 5.x's grouped matmul of fused experts outside bfloat16 (`transformers::grouped_mm_fallback`, one
   matmul per expert from Python, because `torch._grouped_mm` has no float32 fake kernel): it becomes
   `codegen::grouped_mm`, which visits only the experts that have rows (torch's CPU `_grouped_mm`, which the eager
@@ -3296,9 +3440,12 @@ def _op_name(target):
 
 
 def _tp_all_reduce(tensor, after):
-    """The sum over the tensor-parallel group, out of place: DeepSpeed's shared-memory kernel. `after`: the reduction
-    this one must follow (`swap_ops`), not read."""
-    return torch.ops.deepspeed.inference_all_reduce(tensor.contiguous())
+    """The sum over the tensor-parallel group, into `tensor`: DeepSpeed's shared-memory kernel. `after`: the tensor
+    of the reduction this one must follow (`swap_ops`), not read."""
+    if tensor.is_contiguous():
+        torch.ops.deepspeed.inference_all_reduce_(tensor)
+    else:
+        tensor.copy_(torch.ops.deepspeed.inference_all_reduce(tensor.contiguous()))
 
 
 def _take_rows(input, index):
@@ -3319,8 +3466,8 @@ def register_ops():
     third of the read bandwidth."""
     if hasattr(torch.ops.codegen, "tp_all_reduce"):
         return
-    define_op(TP_ALL_REDUCE, "Tensor tensor, Tensor? after", _tp_all_reduce,
-              lambda tensor, after: torch.empty_like(tensor, memory_format=torch.contiguous_format))
+    define_op(TP_ALL_REDUCE, "Tensor(a!) tensor, Tensor? after", _tp_all_reduce, lambda tensor, after: None,
+              returns="()")
     # never dead code: a rank whose result does not need a reduction (its LM-head shard is empty under DeepSpeed's
     # grain split at small widths) still owes the other ranks its side of it, or they wait forever
     torch.fx.node.has_side_effect(torch.ops.codegen.tp_all_reduce.default)
@@ -3337,9 +3484,10 @@ def swap_ops(graph):
     gathers and float32 dense products by this part's ops, and take strided rows contiguous before any other matmul
     by a matrix; returns how many of each it rewrote.
 
-    Each reduction takes the one before it as an argument it does not read: the ranks must issue them in the same
-    order, and without a data dependence inductor may reorder them (a rank whose LM-head shard is empty under
-    DeepSpeed's grain split at small widths has a last reduction that depends on nothing, and ran it first)."""
+    Each reduction takes the tensor the one before it reduced as an argument it does not read: the ranks must issue
+    them in the same order, and without a data dependence inductor may reorder them (a rank whose LM-head shard is
+    empty under DeepSpeed's grain split at small widths has a last reduction that depends on nothing, and ran it
+    first)."""
     swapped = {"all_reduce": 0, "grouped_mm": 0, "take_rows": 0, "linear_rows": 0, "matmul_folded": 0}
     previous = None
     for node in list(graph.nodes):
@@ -3349,11 +3497,9 @@ def swap_ops(graph):
         if name.startswith(_DEEPSPEED_IN_PLACE):
             tensor = node.args[0]
             with graph.inserting_after(node):
-                reduced = graph.call_function(torch.ops.codegen.tp_all_reduce.default, (tensor, previous))
-            previous = reduced
-            with graph.inserting_after(reduced):
-                written = graph.call_method("copy_", (tensor, reduced))  # the eager op's in-place result
-            node.replace_all_uses_with(written)
+                graph.call_function(torch.ops.codegen.tp_all_reduce.default, (tensor, previous))
+            previous = tensor  # read after the reduction: its reduced value, which the next one then depends on
+            node.replace_all_uses_with(tensor)  # the eager op's result is its tensor, reduced in place
             graph.erase_node(node)
             swapped["all_reduce"] += 1
         elif name.startswith(_TRANSFORMERS_FALLBACK):
@@ -3801,7 +3947,7 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
             setattr(block, REDUCER_ATTR, reducer)
     keep_whole(whole, engine.module, deepspeed_kwargs["dtype"])
     notes.append(use_fused_experts(blocks, layout))
-    notes.append(use_decode_attention(engine.module))
+    notes.append(use_eager_attention_kernel(engine.module))
     if coalesce:  # knob off: stock behaviour, the cache expanded at every step
         notes.append(absorb_latent_attention(latent_attention_modules(engine.module, layout), layout))
     device = _device_of(engine.module)

@@ -18,7 +18,7 @@ from codegen.policy.runtime.base import PATCH_MARKER, REDUCER_ATTR, SUPPORTED_DE
     expert_paths
 from codegen.policy.runtime.compiled import compile_forward
 from codegen.policy.runtime.cuda_attention import cudnn_attention_off
-from codegen.policy.runtime.decode_attention import use_decode_attention
+from codegen.policy.runtime.eager_attention import use_eager_attention_kernel
 from codegen.policy.runtime.experts import row_layer_policy, shard_experts
 from codegen.policy.runtime.experts_implementation import use_fused_experts
 from codegen.policy.runtime.environment import (destroy_group_at_exit, huge_page_weights, launcher_notes, local_ranks,
@@ -140,7 +140,7 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
             setattr(block, REDUCER_ATTR, reducer)
     keep_whole(whole, engine.module, deepspeed_kwargs["dtype"])
     notes.append(use_fused_experts(blocks, layout))
-    notes.append(use_decode_attention(engine.module))
+    notes.append(use_eager_attention_kernel(engine.module))
     if coalesce:  # knob off: stock behaviour, the cache expanded at every step
         notes.append(absorb_latent_attention(latent_attention_modules(engine.module, layout), layout))
     device = _device_of(engine.module)

@@ -31,9 +31,10 @@ registers. Measured on an Intel Xeon (AVX-512), one thread, a weight of 5472x204
 projection at TP=2): 16 rows 9.3 -> 5.8 ms, 8 rows 9.0 -> 3.8, 4 rows 6.7 -> 3.4, 1 row 3.3 -> 3.3; its compiled
 decode step at batch 16 on 2 ranks (full widths, 2 layers) went from 119-129 to 104-108 ms.
 
-And a decode step's attention (`decode_attention`, codegen.policy.runtime.decode_attention): one new token per row
-over its cached keys, each kv head's keys and values read once for its query heads, with optional per-head sinks
-(GPT-OSS's), e^x in vector registers.
+And eager attention (codegen.policy.runtime.eager_attention): a decode step's (`decode_attention`: one new token
+per row over its cached keys, each kv head's keys and values read once for its query heads) and a prefill's
+(`prefill_attention`: blocks of query rows over the keys they do not all mask, by sgemm), with optional per-head
+sinks (GPT-OSS's), e^x in vector registers.
 
 It is built once per machine (the system C compiler, `-O3 -march=native`, OpenMP on torch's own runtime) into this
 environment's build dir, keyed by its source, the compiler and the CPU; where it cannot be built, the caller runs
@@ -65,9 +66,10 @@ SMALL_GROUP_ROWS = 16
 _LIBRARIES: list = []
 
 
-def define_op(name, arguments, impl, fake):
+def define_op(name, arguments, impl, fake, returns="Tensor"):
     """The op `name` ("codegen::x"), taking `arguments` (a schema's, e.g. "Tensor input, Tensor? bias") and
-    returning one new Tensor: run by `impl`, traced by torch.compile through `fake`, opaque to it.
+    returning `returns` (one new Tensor; "()" for an op that writes into an argument marked `Tensor(a!)`): run by
+    `impl`, traced by torch.compile through `fake`, opaque to it.
 
     Defined through torch.library's Library, not `custom_op`: a decode step runs 20-40 of these ops, and
     `custom_op`'s Python wrapper costs about 9 us a call where the Library's dispatch costs 3 (measured on the Xeon,
@@ -75,7 +77,7 @@ def define_op(name, arguments, impl, fake):
     namespace, op = name.split("::")
     library = torch.library.Library(namespace, "FRAGMENT")
     _LIBRARIES.append(library)
-    library.define(f"{op}({arguments}) -> Tensor")
+    library.define(f"{op}({arguments}) -> {returns}")
     library.impl(op, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(name, lib=library)(fake)
 
@@ -85,6 +87,7 @@ _HEAD = r"""
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+#include <float.h>
 
 #ifndef MAX_ROWS
 #error "build with -DMAX_ROWS=<SMALL_GROUP_ROWS>"
@@ -700,6 +703,92 @@ int64_t codegen_decode_attention(const float *q, int64_t B, int64_t Hq, int64_t 
 }
 """
 
+_PREFILL_ATTENTION = r"""
+#define PREFILL_ROWS 32  /* query rows per task: their scores (rows x keys) stay in L2, and a causal mask lets a block
+                            skip the keys every row of it masks */
+
+/* the key columns [lo, hi) that some row of a block does not mask (an additive mask's masked entries are its dtype's
+   min or -inf: they add e^(min - max) = 0 to a row's sum); all of them where a row masks every key (its softmax is
+   then over all of them, as eager's) */
+static void unmasked_columns(const float *mask, int64_t smq, int64_t sms, int64_t rows, int64_t S, int64_t *lo,
+                             int64_t *hi) {
+    int64_t first = S, last = -1;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *mr = mask + r * smq;
+        int64_t a = 0, z = S - 1;
+        while (a < S && mr[a * sms] <= -FLT_MAX) a++;
+        if (a == S) { *lo = 0; *hi = S; return; }
+        while (mr[z * sms] <= -FLT_MAX) z--;
+        if (a < first) first = a;
+        if (z > last) last = z;
+    }
+    *lo = first; *hi = last + 1;
+}
+
+/* Attention of Q query rows per sequence over S keys (a prefill), grouped heads, optional per-head sinks and an
+   additive mask: out (B, Q, Hq, D) contiguous (eager attention's layout) = the values weighted by softmax([q.k *
+   scale + mask, sink]) without the sink's own share. Each task is one sequence, kv head and block of query rows:
+   for each query head of the group, the scores of the keys some row of the block does not mask by BLAS's sgemm, the
+   softmax in vector registers, then the weighted values by sgemm. q (B, Hq, Q, D) with strides (sqb, sqh, sqq), k
+   and v (B, Hkv, S, D), D's stride 1 throughout; mask (B, Q, S) with strides (smb, smq, sms) or NULL; sinks (Hq) or
+   NULL. Returns 0, -1 for shapes it does not take, -2 when out of memory. */
+int64_t codegen_prefill_attention(const float *q, int64_t B, int64_t Hq, int64_t Q, int64_t D, int64_t sqb,
+                                  int64_t sqh, int64_t sqq, const float *k, const float *v, int64_t Hkv, int64_t S,
+                                  int64_t skb, int64_t skh, int64_t sks, int64_t svb, int64_t svh, int64_t svs,
+                                  const float *mask, int64_t smb, int64_t smq, int64_t sms, const float *sinks,
+                                  float scale, float *out, void *sgemm_address, int threads) {
+    const sgemm_fn sgemm = (sgemm_fn)sgemm_address;
+    if (!sgemm || B < 1 || Q < 1 || S < 1 || Hkv < 1 || Hq % Hkv || D < 1) return -1;
+    const int64_t G = Hq / Hkv, rows = Q < PREFILL_ROWS ? Q : PREFILL_ROWS, blocks = (Q + rows - 1) / rows;
+    const int64_t SP = (S + LANES - 1) / LANES * LANES, tasks = B * Hkv * blocks;
+    int64_t failed = 0;
+    #pragma omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1 && tasks > 1)
+    for (int64_t t = 0; t < tasks; t++) {
+        const int64_t b = t / (Hkv * blocks), h = t / blocks % Hkv, q0 = t % blocks * rows;
+        const int64_t n = Q - q0 < rows ? Q - q0 : rows;
+        const float *mb = mask ? mask + b * smb + q0 * smq : NULL;
+        float *scores = (float *)malloc(rows * SP * sizeof(float));
+        if (!scores) {
+            #pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        int64_t lo = 0, hi = S;
+        if (mb) unmasked_columns(mb, smq, sms, n, S, &lo, &hi);
+        const int64_t width = hi - lo, ld = (width + LANES - 1) / LANES * LANES;
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t head = h * G + g;
+            matmul_by_blas(sgemm, q + b * sqb + head * sqh + q0 * sqq, sqq, k + b * skb + h * skh + lo * sks, 1, sks,
+                           D, width, n, scores, ld);
+            const float sink = sinks ? sinks[head] : -INFINITY;
+            for (int64_t r = 0; r < n; r++) {
+                float *sr = scores + r * ld, m = sink;
+                const float *mr = mb ? mb + r * smq + lo * sms : NULL;
+                for (int64_t s = 0; s < width; s++) {
+                    sr[s] = sr[s] * scale + (mr ? mr[s * sms] : 0.0f);
+                    m = sr[s] > m ? sr[s] : m;
+                }
+                for (int64_t s = width; s < ld; s++) sr[s] = -INFINITY;
+                lane_vector total = {0};
+                for (int64_t s = 0; s < ld; s += LANES) {
+                    const lane_vector e = exp_lanes(*(lane_vector *)(sr + s) - m);
+                    *(lane_vector *)(sr + s) = e;
+                    total += e;
+                }
+                float sum = sinks ? expf(sink - m) : 0.0f;
+                for (int i = 0; i < LANES; i++) sum += total[i];
+                const float inv = 1.0f / sum;
+                for (int64_t s = 0; s < ld; s += LANES) *(lane_vector *)(sr + s) *= inv;
+            }
+            matmul_by_blas(sgemm, scores, ld, v + b * svb + h * svh + lo * svs, svs, 1, width, D, n,
+                           out + ((b * Q + q0) * Hq + head) * D, Hq * D);
+        }
+        free(scores);
+    }
+    return failed ? -2 : 0;
+}
+"""
+
 
 def _task_for(task: str, suffix: str, weight: str, load: str) -> str:
     return (task.replace("_TYPE(", f"_{suffix}(").replace("WEIGHT", weight)
@@ -709,7 +798,8 @@ def _task_for(task: str, suffix: str, weight: str, load: str) -> str:
 _BF16 = ("bf16", "uint16_t", "f32_of_bf16")
 #: the kernel's C source: float32 and bfloat16 weights, float32 rows and sums
 GROUPED_MM_SOURCE = (_HEAD + _task_for(_ROWS_TASK, "f32", "float", "") + _task_for(_ROWS_TASK, *_BF16)
-                     + _task_for(_COLUMNS_TASK, *_BF16) + _LINEAR + _ATTENTION + _ENTRY + _FUSED)
+                     + _task_for(_COLUMNS_TASK, *_BF16) + _LINEAR + _ATTENTION + _ENTRY + _FUSED
+                     + _PREFILL_ATTENTION)
 #: the gates the fused experts compute, by their code in the C source (GATE_SILU, GATE_CLAMPED_SWIGLU there)
 GATE_CODES = {GATE_SILU: 0, GATE_CLAMPED_SWIGLU: 1}
 #: the weight dtypes the kernel reads
@@ -791,6 +881,11 @@ def grouped_mm_kernel():
                           i64, ptr, ctypes.c_float, ptr, ctypes.c_int]
     attention.restype = i64
     function.decode_attention = attention
+    prefill = library.codegen_prefill_attention
+    prefill.argtypes = [ptr, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ptr,
+                        i64, i64, i64, ptr, ctypes.c_float, ptr, ptr, ctypes.c_int]
+    prefill.restype = i64
+    function.prefill_attention = prefill
     return function
 
 
@@ -841,7 +936,7 @@ def decode_attention(query, key, value, mask, sinks, scale):
 
     query (B, Hq, 1, D), key and value (B, Hkv, S, D) (a cache store's views), all float32 on CPU; mask additive,
     broadcastable to (B, 1, 1, S), or None; sinks (Hq,) or None: a per-head logit in the softmax's sum only, as
-    GPT-OSS's. The caller checks the shapes first (codegen.policy.runtime.decode_attention's `kernel_takes`)."""
+    GPT-OSS's. The caller checks the shapes first (codegen.policy.runtime.eager_attention's `kernel_takes`)."""
     kernel = grouped_mm_kernel()
     batch, heads, _, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
@@ -860,6 +955,27 @@ def decode_attention(query, key, value, mask, sinks, scale):
                            + ("out of memory" if status == -2 else "shapes it does not take"))
     return out
 
+
+def prefill_attention(query, key, value, mask, sinks, scale):
+    """Several new tokens per row attending to their keys (a prefill): (B, Q, Hq, D), the layout eager attention
+    returns. query (B, Hq, Q, D), key and value (B, Hkv, S, D), all float32 on CPU; mask additive, broadcastable to
+    (B, 1, Q, S), or None; sinks (Hq,) or None. The caller checks the shapes first."""
+    kernel = grouped_mm_kernel()
+    batch, heads, rows, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    masks = None if mask is None else mask.expand(batch, 1, rows, length)[:, 0]
+    head_sinks = None if sinks is None else sinks.to(torch.float32).contiguous()
+    out = q.new_empty(batch, rows, heads, dim)
+    mask_args = (None, 0, 0, 0) if masks is None else (masks.data_ptr(), *masks.stride())
+    status = kernel.prefill_attention(
+        q.data_ptr(), batch, heads, rows, dim, *q.stride()[:3], k.data_ptr(), v.data_ptr(), kv_heads, length,
+        *k.stride()[:3], *v.stride()[:3], *mask_args, None if head_sinks is None else head_sinks.data_ptr(), scale,
+        out.data_ptr(), blas_sgemm_address(), torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError("codegen prefill attention: "
+                           + ("out of memory" if status == -2 else "shapes it does not take"))
+    return out
 
 def experts_grouped_mm(input, weight, offs):
     """(S, in) rows sorted by expert @ (E, in, out) per expert, `offs` the groups' ends; rows past the last group
