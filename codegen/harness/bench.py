@@ -39,7 +39,8 @@ from codegen.harness.results import record as result_record
 METHOD = {
     "schedule": "one launch; on every rank the setups (a, b, d) are loaded side by side; each prefill runs every "
                 "setup in a rotating order (ABBA generalised), each after a barrier; decode runs each setup's "
-                "warm-up and timed steps consecutively, one setup after the other, each step after a barrier",
+                "warm-up and timed steps consecutively, one setup after the other, each step after a barrier; "
+                "end to end, the setups alternate, each timed generate right after an untimed one of the same setup",
     "inputs": "same random prompt for every setup and c; decode tokens forced to (c)'s greedy tokens so every "
               "setup decodes the same sequence",
     "latency": "per timed unit the slowest rank (time.perf_counter around the forward), warm-up excluded",

@@ -213,12 +213,15 @@ def measure_ab(run: Run, job: dict, opts: dict, ids, ref: Reference) -> dict:
         new_tokens = opts.get("e2e_tokens", 0)
         if new_tokens:
             run.say(f"{name}: end-to-end greedy generation, {new_tokens} new tokens x {opts['e2e_repeats']}, "
-                    "setups alternating")
+                    "setups alternating, each timed run right after an untimed one of its own")
             for mode in models:
                 record[mode].update(e2e_s=[], ttft_s=[])
             for k in range(opts["e2e_repeats"]):
                 for mode in rotation(order_base, k):
                     dist.barrier()
+                    # untimed: the setup's weights and code warm, as each of the vLLM peer's timed runs follows one
+                    # of its own (right after another setup's run, a toy prefill took 10-20% longer)
+                    generation_times(models[mode], ids, new_tokens, run)
                     ttft, total = generation_times(models[mode], ids, new_tokens, run)
                     record[mode]["e2e_s"].append(total)
                     record[mode]["ttft_s"].append(ttft)
