@@ -2245,6 +2245,12 @@ def test_the_prefill_attention_kernel_is_the_familys_eager_attention(family, thr
                                              layer.scaling)
                 assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5, rtol=1e-4), \
                     (family, new, cached, window)
+        # rows not a row's width apart (an expanded query, keys and values): taken contiguous for BLAS first
+        query, key = query[:, :, :1].expand(query.shape), key[:, :, :1].expand(key.shape)
+        with torch.no_grad():
+            want = eager(layer, query, key, key, mask, scaling=layer.scaling, dropout=0.0)[0]
+            got = rt.eager_attention(query, key, key, mask, None if sinks is None else sinks.detach(), layer.scaling)
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
     finally:
         torch.set_num_threads(before)
 

@@ -40,7 +40,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'glm4v_moe', 'moe_classes': ['Glm4vMoeTextMoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': ['visual'], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_glm4v_moe'
-RUNTIME_SHA256 = '355e242ae7e4804f4231c0963e34ec847e00d3f04e9092081f04623baba4ac49'
+RUNTIME_SHA256 = '64ad6e2bbcded23708a3cf819120487d083dc7e3dcf1c4aa7658b32c50bcd34b'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -2113,8 +2113,8 @@ static inline lane_vector sigmoid_lanes(lane_vector x) {
 }
 
 /* h (rows x I2 / 2, ldh) = the gate of g (rows x I2, ldg), after adding `bias` (I2, or NULL) to every row of g:
-   16 outputs at a time in vector registers (e^x by exp_lanes; expf one by one cost a prefill's gate 20% of its
-   experts' time), the tail past the last whole vector one by one */
+   16 outputs at a time in vector registers (e^x by exp_lanes; expf one by one cost a tenth to a sixth of a
+   prefill's expert time), the tail past the last whole vector one by one */
 static void gate_rows(float *g, int64_t ldg, int64_t rows, int64_t I2, const float *bias, int gate, float alpha,
                       float limit, float *h, int64_t ldh, int threads) {
     const int64_t I = I2 / 2, whole = I / LANES * LANES;
@@ -2827,7 +2827,8 @@ def prefill_attention(query, key, value, mask, sinks, scale):
     kernel = grouped_mm_kernel()
     batch, heads, rows, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    # BLAS takes rows at least a row's width apart (an expanded tensor's are not)
+    q, k, v = (t if t.stride(-1) == 1 and t.stride(-2) >= dim else t.contiguous() for t in (query, key, value))
     masks = None if mask is None else mask.expand(batch, 1, rows, length)[:, 0]
     head_sinks = None if sinks is None else sinks.to(torch.float32).contiguous()
     out = q.new_empty(batch, rows, heads, dim)

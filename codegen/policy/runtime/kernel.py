@@ -285,8 +285,8 @@ static inline lane_vector sigmoid_lanes(lane_vector x) {
 }
 
 /* h (rows x I2 / 2, ldh) = the gate of g (rows x I2, ldg), after adding `bias` (I2, or NULL) to every row of g:
-   16 outputs at a time in vector registers (e^x by exp_lanes; expf one by one cost a prefill's gate 20% of its
-   experts' time), the tail past the last whole vector one by one */
+   16 outputs at a time in vector registers (e^x by exp_lanes; expf one by one cost a tenth to a sixth of a
+   prefill's expert time), the tail past the last whole vector one by one */
 static void gate_rows(float *g, int64_t ldg, int64_t rows, int64_t I2, const float *bias, int gate, float alpha,
                       float limit, float *h, int64_t ldh, int threads) {
     const int64_t I = I2 / 2, whole = I / LANES * LANES;
@@ -999,7 +999,8 @@ def prefill_attention(query, key, value, mask, sinks, scale):
     kernel = grouped_mm_kernel()
     batch, heads, rows, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    # BLAS takes rows at least a row's width apart (an expanded tensor's are not)
+    q, k, v = (t if t.stride(-1) == 1 and t.stride(-2) >= dim else t.contiguous() for t in (query, key, value))
     masks = None if mask is None else mask.expand(batch, 1, rows, length)[:, 0]
     head_sinks = None if sinks is None else sinks.to(torch.float32).contiguous()
     out = q.new_empty(batch, rows, heads, dim)
