@@ -2172,18 +2172,31 @@ def _attention_layer(model):
     return next(m for m in model.modules() if hasattr(m, "num_key_value_groups"))
 
 
+def _eager_attention_case(family):
+    """(heads, kv heads, head_dim, compare) of `family`'s first attention layer: `compare(query, key, value, mask)`
+    is (the kernels' output, the layer's own eager attention's) for that call."""
+    model = _tiny_model(family)
+    layer = _attention_layer(model)
+    eager, sinks = rt.family_eager(layer), getattr(layer, "sinks", None)
+    heads = model.config.num_attention_heads
+
+    def compare(query, key, value, mask):
+        with torch.no_grad():
+            want = eager(layer, query, key, value, mask, scaling=layer.scaling, dropout=0.0)[0]
+            got = rt.eager_attention(query, key, value, mask, None if sinks is None else sinks.detach(),
+                                     layer.scaling)
+        return got, want
+
+    return heads, heads // layer.num_key_value_groups, layer.head_dim, compare
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
 def test_the_decode_attention_kernel_is_the_familys_eager_attention(family, threads):
     """`codegen::eager_attention` for one new token against transformers' own eager attention of the family
     (GPT-OSS: sinks and grouped heads; Qwen3-MoE: no sinks): 1 to 40 cached columns (not a multiple of 16 included),
     keys and values as views of a larger store, masks with min and -inf columns, a mask shared by the batch."""
-    model = _tiny_model(family)
-    layer = _attention_layer(model)
-    eager = rt.family_eager(layer)
-    sinks = getattr(layer, "sinks", None)
-    heads, dim = model.config.num_attention_heads, layer.head_dim
-    kv_heads = heads // layer.num_key_value_groups
+    heads, kv_heads, dim, compare = _eager_attention_case(family)
     generator = torch.Generator().manual_seed(2)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -2197,10 +2210,7 @@ def test_the_decode_attention_kernel_is_the_familys_eager_attention(family, thre
             mask[1, ..., -1:] = float("-inf") if length > 1 else 0.0
             for rows in (mask, mask[:1]):
                 assert rt.kernel_takes(query, key, value, rows)
-                with torch.no_grad():
-                    want = eager(layer, query, key, value, rows, scaling=layer.scaling, dropout=0.0)[0]
-                    got = rt.eager_attention(query, key, value, rows, None if sinks is None else sinks.detach(),
-                                             layer.scaling)
+                got, want = compare(query, key, value, rows)
                 assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5, rtol=1e-4), (family, length)
     finally:
         torch.set_num_threads(before)
@@ -2216,12 +2226,7 @@ def test_the_prefill_attention_kernel_is_the_familys_eager_attention(family, thr
     70 tokens (more than one block of query rows), after 0 or 9 cached columns, causal masks with a sliding window or
     without, left padding (a row every key of which is masked included), a mask shared by the batch, no mask, and
     query, keys and values as strided views."""
-    model = _tiny_model(family)
-    layer = _attention_layer(model)
-    eager = rt.family_eager(layer)
-    sinks = getattr(layer, "sinks", None)
-    heads, dim = model.config.num_attention_heads, layer.head_dim
-    kv_heads = heads // layer.num_key_value_groups
+    heads, kv_heads, dim, compare = _eager_attention_case(family)
     generator = torch.Generator().manual_seed(3)
     least = torch.finfo(torch.float32).min
     before = torch.get_num_threads()
@@ -2239,17 +2244,12 @@ def test_the_prefill_attention_kernel_is_the_familys_eager_attention(family, thr
             mask[0, :, 0, :] = least  # a row that masks every key: eager's softmax is then over all of them
             for rows in (mask, mask[:1], None):
                 assert rt.kernel_takes(query, key, value, rows)
-                with torch.no_grad():
-                    want = eager(layer, query, key, value, rows, scaling=layer.scaling, dropout=0.0)[0]
-                    got = rt.eager_attention(query, key, value, rows, None if sinks is None else sinks.detach(),
-                                             layer.scaling)
+                got, want = compare(query, key, value, rows)
                 assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5, rtol=1e-4), \
                     (family, new, cached, window)
         # rows not a row's width apart (an expanded query, keys and values): taken contiguous for BLAS first
         query, key = query[:, :, :1].expand(query.shape), key[:, :, :1].expand(key.shape)
-        with torch.no_grad():
-            want = eager(layer, query, key, key, mask, scaling=layer.scaling, dropout=0.0)[0]
-            got = rt.eager_attention(query, key, key, mask, None if sinks is None else sinks.detach(), layer.scaling)
+        got, want = compare(query, key, key, mask)
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
     finally:
         torch.set_num_threads(before)
