@@ -37,7 +37,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'granitemoehybrid', 'moe_classes': ['GraniteMoeHybridMoE'], 'experts': '', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'input_linear.weight', 'down': 'output_linear.weight', 'size_attr': '', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': [], 'routers': ['router'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn', 'mamba'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['block_sparse_moe'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'intermediate_size'], 'linear_attention': None, 'whole_modules': ['GraniteMoeHybridMambaLayer', 'GraniteMoeHybridMLP']}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_granitemoehybrid'
-RUNTIME_SHA256 = '64ad6e2bbcded23708a3cf819120487d083dc7e3dcf1c4aa7658b32c50bcd34b'
+RUNTIME_SHA256 = '078562e5d4564b47b9189f1798589afee092d069f600fa4da6e9aff6f4936805'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -2088,16 +2088,6 @@ static void matmul_by_blas(sgemm_fn sgemm, const float *a, int64_t lda, const fl
 #define GATE_CLAMPED_SWIGLU 1 /* (min(max(up, -limit), limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit),
                                  gate and up interleaved (gate at even columns) */
 
-/* a where the lanes of `take` are set (-1), b elsewhere */
-static inline lane_vector lanes_where(lane_ints take, lane_vector a, lane_vector b) {
-    lane_ints ab, bb;
-    memcpy(&ab, &a, sizeof ab);
-    memcpy(&bb, &b, sizeof bb);
-    ab = (ab & take) | (bb & ~take);
-    memcpy(&a, &ab, sizeof a);
-    return a;
-}
-
 /* 1 / (1 + e^-x) lane by lane, through e^-|x| (exp_lanes takes x <= 0): for x < 0 it is e^x / (1 + e^x) */
 static inline lane_vector sigmoid_lanes(lane_vector x) {
     lane_ints bits;
@@ -2455,19 +2445,22 @@ int64_t codegen_linear_rows(const float *x, int64_t R, int64_t ldx, const float 
 _ATTENTION = r"""
 typedef int32_t lane_ints __attribute__((vector_size(64)));
 
+/* a where the lanes of `take` are set (-1), b elsewhere */
+static inline lane_vector lanes_where(lane_ints take, lane_vector a, lane_vector b) {
+    lane_ints ab, bb;
+    memcpy(&ab, &a, sizeof ab);
+    memcpy(&bb, &b, sizeof bb);
+    ab = (ab & take) | (bb & ~take);
+    memcpy(&a, &ab, sizeof a);
+    return a;
+}
+
 /* e^x lane by lane for x <= 0 (a score less the row's max): x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor
    series to r^7 (relative error under 2e-7), 2^n put into the exponent's bits; below -87 0 (a masked score, or a
    share under 2^-125 of the row's largest) */
 static inline lane_vector exp_lanes(lane_vector x) {
     const lane_ints normal = x >= -87.0f;  /* -1 where e^x is a normal float */
-    lane_ints xb, lowb;
-    const lane_vector low = {-87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f,
-                             -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f};
-    memcpy(&xb, &x, sizeof xb);
-    memcpy(&lowb, &low, sizeof lowb);
-    xb = (xb & normal) | (lowb & ~normal);
-    lane_vector xc;
-    memcpy(&xc, &xb, sizeof xc);
+    const lane_vector xc = lanes_where(normal, x, (lane_vector){0} - 87.0f);
     const lane_ints ni = __builtin_convertvector(xc * 1.44269504088896341f + 128.5f, lane_ints) - 128;
     const lane_vector n = __builtin_convertvector(ni, lane_vector);
     const lane_vector r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
@@ -2478,6 +2471,28 @@ static inline lane_vector exp_lanes(lane_vector x) {
     lane_vector scale;
     memcpy(&scale, &bits, sizeof scale);
     return p * scale;
+}
+
+/* x = row * scale + mask (mask: stride sms, or NULL), then e^(x - max) in place over row[0..n) (row padded to a whole
+   vector: `padded`, its tail set to -inf here), max taken with the sink's logit; returns 1 / the row's sum, the
+   sink's e^(sink - max) in it (with_sink) but not in the row */
+static float exp_row(float *row, int64_t n, int64_t padded, float scale, const float *mask, int64_t sms, float sink,
+                     int with_sink) {
+    float m = with_sink ? sink : -INFINITY;
+    for (int64_t s = 0; s < n; s++) {
+        row[s] = row[s] * scale + (mask ? mask[s * sms] : 0.0f);
+        m = row[s] > m ? row[s] : m;
+    }
+    for (int64_t s = n; s < padded; s++) row[s] = -INFINITY;
+    lane_vector total = {0};
+    for (int64_t s = 0; s < padded; s += LANES) {
+        const lane_vector e = exp_lanes(*(lane_vector *)(row + s) - m);
+        *(lane_vector *)(row + s) = e;
+        total += e;
+    }
+    float sum = with_sink ? expf(sink - m) : 0.0f;
+    for (int i = 0; i < LANES; i++) sum += total[i];
+    return 1.0f / sum;
 }
 
 #define ATTENTION_HEADS 16   /* query heads per kv head the kernel takes */
@@ -2524,22 +2539,9 @@ int64_t codegen_decode_attention(const float *q, int64_t B, int64_t Hq, int64_t 
             }
             /* softmax with the sink: e^(score - max) over the keys, the sink in the sum only */
             float inv[ATTENTION_HEADS];
-            for (int64_t g = 0; g < G; g++) {
-                float *sg = scores + g * SP;
-                const float sink = sinks ? sinks[h * G + g] : -INFINITY;
-                float m = sink;
-                for (int64_t s = 0; s < S; s++) m = sg[s] > m ? sg[s] : m;
-                for (int64_t s = S; s < SP; s++) sg[s] = -INFINITY;
-                lane_vector total = {0};
-                for (int64_t s = 0; s < SP; s += LANES) {
-                    const lane_vector e = exp_lanes(*(lane_vector *)(sg + s) - m);
-                    *(lane_vector *)(sg + s) = e;
-                    total += e;
-                }
-                float sum = sinks ? expf(sink - m) : 0.0f;
-                for (int i = 0; i < LANES; i++) sum += total[i];
-                inv[g] = 1.0f / sum;
-            }
+            for (int64_t g = 0; g < G; g++)
+                inv[g] = exp_row(scores + g * SP, S, SP, 1.0f, NULL, 0, sinks ? sinks[h * G + g] : 0.0f,
+                                 sinks != NULL);  /* scaled and masked as they were summed */
             /* values: each row once for as many of the group's heads as have their sums fit in registers */
             const int64_t per = ATTENTION_VECTORS / DV;
             for (int64_t g0 = 0; g0 < G; g0 += per) {
@@ -2621,24 +2623,10 @@ int64_t codegen_prefill_attention(const float *q, int64_t B, int64_t Hq, int64_t
             const int64_t head = h * G + g;
             matmul_by_blas(sgemm, q + b * sqb + head * sqh + q0 * sqq, sqq, k + b * skb + h * skh + lo * sks, 1, sks,
                            D, width, n, scores, ld);
-            const float sink = sinks ? sinks[head] : -INFINITY;
             for (int64_t r = 0; r < n; r++) {
-                float *sr = scores + r * ld, m = sink;
-                const float *mr = mb ? mb + r * smq + lo * sms : NULL;
-                for (int64_t s = 0; s < width; s++) {
-                    sr[s] = sr[s] * scale + (mr ? mr[s * sms] : 0.0f);
-                    m = sr[s] > m ? sr[s] : m;
-                }
-                for (int64_t s = width; s < ld; s++) sr[s] = -INFINITY;
-                lane_vector total = {0};
-                for (int64_t s = 0; s < ld; s += LANES) {
-                    const lane_vector e = exp_lanes(*(lane_vector *)(sr + s) - m);
-                    *(lane_vector *)(sr + s) = e;
-                    total += e;
-                }
-                float sum = sinks ? expf(sink - m) : 0.0f;
-                for (int i = 0; i < LANES; i++) sum += total[i];
-                const float inv = 1.0f / sum;
+                float *sr = scores + r * ld;
+                const float inv = exp_row(sr, width, ld, scale, mb ? mb + r * smq + lo * sms : NULL, sms,
+                                          sinks ? sinks[head] : 0.0f, sinks != NULL);
                 for (int64_t s = 0; s < ld; s += LANES) *(lane_vector *)(sr + s) *= inv;
             }
             matmul_by_blas(sgemm, scores, ld, v + b * svb + h * svh + lo * svs, svs, 1, width, D, n,
