@@ -1405,17 +1405,14 @@ def test_generate_begins_with_the_first_ranks_random_state_and_the_same_inputs()
 
     def peer_with(inputs):
         """The other rank: no random state of its own to share (zeros), `inputs` fingerprinted."""
-        digest = rt.fingerprint(inputs)
-        replies = iter([torch.cat([torch.zeros(state_bytes), rt.byte_digits(torch.tensor([digest.numel()]))]),
-                        rt.byte_digits(digest)])
-        return lambda own: next(replies)
+        return lambda own: torch.cat([torch.zeros(state_bytes), rt.byte_digits(rt.input_digest(inputs))])
 
     ids = torch.tensor([[1, 2, 3]])
     torch.manual_seed(7)
     expected = torch.get_rng_state()
     same = SummingDist(peer_with([ids]))
     rt.Lockstep(same, None, torch.device("cpu")).begin([ids])
-    assert [c[0] for c in same.calls] == ["inference_all_reduce"] * 2  # no broadcast, no all-gather
+    assert [c[0] for c in same.calls] == ["inference_all_reduce"]  # one reduction: no broadcast, no all-gather
     assert torch.equal(torch.get_rng_state(), expected)  # rank 0's own state, back from the sum unchanged
     for inputs in ([torch.tensor([[1, 2, 4]])], [ids, ids]):  # other values; another count of tensors
         with pytest.raises(rt.PolicyError) as info:
@@ -2256,44 +2253,61 @@ def test_the_prefill_attention_kernel_is_the_familys_eager_attention(family, thr
 
 
 def test_the_policy_runs_eager_attention_as_the_kernels_where_the_probe_agrees(monkeypatch):
-    """GPT-OSS (eager: its sinks rule out SDPA) switches to `codegen_eager`: every attention layer adopted, greedy
-    tokens and logits as before; a model on SDPA is left alone; an eager attention computing something else (a
-    different scaling) fails the probe and keeps its own, its config untouched."""
+    """GPT-OSS (eager: its sinks rule out SDPA) and a float32 model on SDPA switch to `codegen_eager`: every
+    attention layer adopted, greedy tokens and logits as before; a bfloat16 model on SDPA is left alone; an eager
+    attention computing something else (a different scaling) fails the probe and keeps its own, its config
+    untouched; a call with a keyword the family's eager function takes beyond the usual ones (a softcap) runs that
+    function."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(4))
-    model = _tiny_model("gpt_oss")
-    assert model.config._attn_implementation == rt.ATTENTION_REPLACED
 
-    def greedy():
+    def greedy(model):
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, min_new_tokens=5,
                                  do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
         return out.sequences, torch.stack(out.logits)
 
-    want_tokens, want_logits = greedy()
-    assert rt.use_eager_attention_kernel(model) is None
-    assert model.config._attn_implementation == rt.ATTENTION_IMPLEMENTATION
-    assert rt.attention_kernel_layer_count(model) == model.config.num_hidden_layers
-    got_tokens, got_logits = greedy()
-    assert torch.equal(got_tokens, want_tokens)
-    assert (got_logits - want_logits).abs().max().item() <= 1e-5 * want_logits.abs().max().item()
+    for family, implementation in (("gpt_oss", "eager"), ("qwen3_moe", "sdpa")):
+        model = _tiny_model(family)
+        model.config._attn_implementation = implementation
+        want_tokens, want_logits = greedy(model)
+        assert rt.use_eager_attention_kernel(model) is None
+        assert model.config._attn_implementation == rt.ATTENTION_IMPLEMENTATION
+        assert rt.attention_kernel_layer_count(model) == model.config.num_hidden_layers
+        got_tokens, got_logits = greedy(model)
+        assert torch.equal(got_tokens, want_tokens)
+        assert (got_logits - want_logits).abs().max().item() <= 1e-5 * want_logits.abs().max().item()
 
-    sdpa = _tiny_model("qwen3_moe")
-    sdpa.config._attn_implementation = "sdpa"
-    assert rt.use_eager_attention_kernel(sdpa) is None and rt.attention_kernel_layer_count(sdpa) == 0
-    assert sdpa.config._attn_implementation == "sdpa"
+    half = _tiny_model("qwen3_moe").to(torch.bfloat16)
+    half.config._attn_implementation = "sdpa"
+    assert rt.use_eager_attention_kernel(half) is None and rt.attention_kernel_layer_count(half) == 0
+    assert half.config._attn_implementation == "sdpa"
 
     capped = _tiny_model("gpt_oss")
     module = sys.modules[type(_attention_layer(capped)).__module__]
     own = module.eager_attention_forward
 
-    def softcapped(layer, query, key, value, mask, scaling, dropout=0.0, **kwargs):
+    def halved(layer, query, key, value, mask, scaling, dropout=0.0, **kwargs):
         return own(layer, query, key, value, mask, scaling * 0.5, dropout=dropout, **kwargs)
 
-    monkeypatch.setattr(module, "eager_attention_forward", softcapped)
+    monkeypatch.setattr(module, "eager_attention_forward", halved)
     assert rt.use_eager_attention_kernel(capped) is None and rt.attention_kernel_layer_count(capped) == 0
-    assert capped.config._attn_implementation == rt.ATTENTION_REPLACED
+    assert capped.config._attn_implementation == "eager"
+
+    def softcapped(layer, query, key, value, mask, scaling, dropout=0.0, softcap=None, **kwargs):
+        return own(layer, query, key, value, mask, scaling * (0.5 if softcap else 1.0), dropout=dropout, **kwargs)
+
+    monkeypatch.setattr(module, "eager_attention_forward", softcapped)
+    assert rt.use_eager_attention_kernel(capped) is None and rt.attention_kernel_layer_count(capped) > 0
+    layer = _attention_layer(capped)
+    query, key, value, mask = next(rt._probe_calls(capped.config.num_attention_heads, layer.num_key_value_groups,
+                                                   layer.head_dim, torch.Generator()))
+    with torch.no_grad():
+        plain, capped_out = (rt.codegen_eager_attention(layer, query, key, value, mask, scaling=0.25, **kw)[0]
+                             for kw in ({}, {"softcap": 30.0}))
+        assert torch.allclose(plain, own(layer, query, key, value, mask, 0.25)[0], atol=1e-5)
+        assert torch.allclose(capped_out, own(layer, query, key, value, mask, 0.125)[0], atol=1e-5)
 
     with FakeTensorMode() as mode:
         fake = [torch.ops.codegen.eager_attention(mode.from_tensor(torch.randn(2, 8, rows, 16)),

@@ -140,9 +140,9 @@ def shard_model(model, tp_size, dtype, deepspeed_kwargs, layout, knob):
             setattr(block, REDUCER_ATTR, reducer)
     keep_whole(whole, engine.module, deepspeed_kwargs["dtype"])
     notes.append(use_fused_experts(blocks, layout))
-    notes.append(use_eager_attention_kernel(engine.module))
     if coalesce:  # knob off: stock behaviour, the cache expanded at every step
         notes.append(absorb_latent_attention(latent_attention_modules(engine.module, layout), layout))
+    notes.append(use_eager_attention_kernel(engine.module))  # after: an absorbed layer keeps its own attention
     device = _device_of(engine.module)
     if world > 1:
         keep_in_lockstep(engine.module, dist, group, device)
