@@ -2257,7 +2257,7 @@ def test_the_policy_runs_eager_attention_as_the_kernels_where_the_probe_agrees(m
     attention layer adopted, greedy tokens and logits as before; a bfloat16 model on SDPA is left alone; an eager
     attention computing something else (a different scaling) fails the probe and keeps its own, its config
     untouched; a call with a keyword the family's eager function takes beyond the usual ones (a softcap) runs that
-    function."""
+    function, and an SDPA layer's call with no mask over several rows (causal to SDPA) runs SDPA."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(4))
@@ -2278,6 +2278,17 @@ def test_the_policy_runs_eager_attention_as_the_kernels_where_the_probe_agrees(m
         got_tokens, got_logits = greedy(model)
         assert torch.equal(got_tokens, want_tokens)
         assert (got_logits - want_logits).abs().max().item() <= 1e-5 * want_logits.abs().max().item()
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    layer = _attention_layer(model)  # the SDPA model's, adopted: no mask over several rows is causal there, as before
+    query, key, value, _ = list(rt._probe_calls(model.config.num_attention_heads, layer.num_key_value_groups,
+                                                layer.head_dim, torch.Generator()))[1]
+    with torch.no_grad():
+        got = rt.codegen_eager_attention(layer, query, key, value, None, scaling=layer.scaling)[0]
+        assert torch.allclose(got, sdpa_attention_forward(layer, query, key, value, None, scaling=layer.scaling)[0],
+                              atol=1e-5)
+        assert not torch.allclose(got, rt.eager_attention(query, key, value, None, None, layer.scaling), atol=1e-3)
 
     half = _tiny_model("qwen3_moe").to(torch.bfloat16)
     half.config._attn_implementation = "sdpa"

@@ -41,7 +41,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'glm4_moe_lite', 'moe_classes': ['Glm4MoeLiteMoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': ['q_a_proj', 'kv_a_proj_with_mqa'], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size'], 'linear_attention': None, 'latent_attention': {'expand': 'expand_kv', 'up_projection': 'kv_b_proj', 'nope_width': 'qk_nope_head_dim', 'value_width': 'v_head_dim', 'selected_keys': 'indices'}}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_glm4_moe_lite'
-RUNTIME_SHA256 = '1a5989330699d40c766731c1e9d3fc91ae070649226e2bd500948b1f622fb877'
+RUNTIME_SHA256 = '14cbf86455e2a397aba5302dc5b133be210e6abc40d0c54f0b80dca689915f81'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -3175,9 +3175,13 @@ def codegen_eager_attention(module, query, key, value, attention_mask, scaling=N
     """The kernels for an adopted layer's float32 CPU calls; what the layer ran before otherwise."""
     sinks_name = getattr(module, SINKS_ATTR, None)
     replaced, extras = getattr(module, REPLACED_ATTR, ("eager", ()))
+    # SDPA reads no mask over several query rows as causal (unless told otherwise); eager, and the kernels, as none
+    causal = kwargs.get("is_causal")
+    implied_causal = (replaced != "eager" and attention_mask is None and query.shape[2] > 1
+                      and (causal if causal is not None else getattr(module, "is_causal", True)) is not False)
     if (sinks_name is not None and isinstance(scaling, float) and not dropout and not module.training
             and not kwargs.get("output_attentions") and all(kwargs.get(name) is None for name in extras)
-            and kernel_takes(query, key, value, attention_mask)):
+            and not implied_causal and kernel_takes(query, key, value, attention_mask)):
         sinks = getattr(module, sinks_name) if sinks_name else None
         return torch.ops.codegen.eager_attention(query, key, value, attention_mask, sinks, scaling), None
     if replaced == "eager":

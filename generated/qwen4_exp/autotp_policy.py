@@ -42,7 +42,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'qwen4_exp', 'moe_classes': ['Qwen4ExpTextSparseMoeBlock'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': ['shared_expert'], 'routers': ['gate', 'shared_expert_gate'], 'attention_replicated': ['indexer'], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn', 'linear_attn'], 'replicated': ['visual'], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'linear_num_key_heads', 'linear_num_value_heads', 'moe_intermediate_size', 'shared_expert_intermediate_size'], 'linear_attention': {'attr': 'linear_attn', 'projections': [['in_proj_qkv', ['key_dim', 'key_dim', 'value_dim']], ['in_proj_z', []], ['in_proj_b', []], ['in_proj_a', []]], 'conv': 'conv1d', 'conv_segments': ['key_dim', 'key_dim', 'value_dim'], 'head_params': ['A_log', 'dt_bias'], 'output': 'out_proj', 'local_sizes': ['num_k_heads', 'num_v_heads', 'key_dim', 'value_dim', 'conv_dim']}, 'whole_modules': ['Qwen4ExpTextGatedResidual', 'Qwen4ExpTextPLELayer']}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_qwen4_exp'
-RUNTIME_SHA256 = '1a5989330699d40c766731c1e9d3fc91ae070649226e2bd500948b1f622fb877'
+RUNTIME_SHA256 = '14cbf86455e2a397aba5302dc5b133be210e6abc40d0c54f0b80dca689915f81'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -3176,9 +3176,13 @@ def codegen_eager_attention(module, query, key, value, attention_mask, scaling=N
     """The kernels for an adopted layer's float32 CPU calls; what the layer ran before otherwise."""
     sinks_name = getattr(module, SINKS_ATTR, None)
     replaced, extras = getattr(module, REPLACED_ATTR, ("eager", ()))
+    # SDPA reads no mask over several query rows as causal (unless told otherwise); eager, and the kernels, as none
+    causal = kwargs.get("is_causal")
+    implied_causal = (replaced != "eager" and attention_mask is None and query.shape[2] > 1
+                      and (causal if causal is not None else getattr(module, "is_causal", True)) is not False)
     if (sinks_name is not None and isinstance(scaling, float) and not dropout and not module.training
             and not kwargs.get("output_attentions") and all(kwargs.get(name) is None for name in extras)
-            and kernel_takes(query, key, value, attention_mask)):
+            and not implied_causal and kernel_takes(query, key, value, attention_mask)):
         sinks = getattr(module, sinks_name) if sinks_name else None
         return torch.ops.codegen.eager_attention(query, key, value, attention_mask, sinks, scaling), None
     if replaced == "eager":

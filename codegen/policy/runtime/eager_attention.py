@@ -98,9 +98,13 @@ def codegen_eager_attention(module, query, key, value, attention_mask, scaling=N
     """The kernels for an adopted layer's float32 CPU calls; what the layer ran before otherwise."""
     sinks_name = getattr(module, SINKS_ATTR, None)
     replaced, extras = getattr(module, REPLACED_ATTR, ("eager", ()))
+    # SDPA reads no mask over several query rows as causal (unless told otherwise); eager, and the kernels, as none
+    causal = kwargs.get("is_causal")
+    implied_causal = (replaced != "eager" and attention_mask is None and query.shape[2] > 1
+                      and (causal if causal is not None else getattr(module, "is_causal", True)) is not False)
     if (sinks_name is not None and isinstance(scaling, float) and not dropout and not module.training
             and not kwargs.get("output_attentions") and all(kwargs.get(name) is None for name in extras)
-            and kernel_takes(query, key, value, attention_mask)):
+            and not implied_causal and kernel_takes(query, key, value, attention_mask)):
         sinks = getattr(module, sinks_name) if sinks_name else None
         return torch.ops.codegen.eager_attention(query, key, value, attention_mask, sinks, scaling), None
     if replaced == "eager":
