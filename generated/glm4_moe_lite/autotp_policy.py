@@ -41,7 +41,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'glm4_moe_lite', 'moe_classes': ['Glm4MoeLiteMoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': ['q_a_proj', 'kv_a_proj_with_mqa'], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size'], 'linear_attention': None, 'latent_attention': {'expand': 'expand_kv', 'up_projection': 'kv_b_proj', 'nope_width': 'qk_nope_head_dim', 'value_width': 'v_head_dim', 'selected_keys': 'indices'}}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_glm4_moe_lite'
-RUNTIME_SHA256 = '14cbf86455e2a397aba5302dc5b133be210e6abc40d0c54f0b80dca689915f81'
+RUNTIME_SHA256 = 'd4051690761c94eb843fd2c41573bac18e6f1e12c622553d96fb35d182df0348'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -1759,7 +1759,7 @@ class Lockstep:
     def begin(self, inputs):
         """Before a generate call: every rank takes the first rank's random state, and the ranks check that they
         were given the same `inputs`. One reduction: the state with the digits of the inputs' digest, which has
-        the same length on every rank (two cost a batch-1 time to first token 0.2-0.4 ms)."""
+        the same length on every rank (the start took two, 0.4 ms of toy gpt-oss's batch-1 time to first token)."""
         digest = input_digest(inputs)
         if self.world > MOST_RANKS_SUMMED:
             self._broadcast_random_state()
