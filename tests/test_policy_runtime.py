@@ -1947,8 +1947,8 @@ def test_the_experts_kernel_is_torchs_matmul_per_expert(layout, offs_dtype, thre
     torch.manual_seed(0)
     # 300 columns: more than one column block of the kernel; 42 inputs: not a multiple of the 4 weight rows (or the
     # vector widths) the kernel takes at a time, so its tails run too
-    experts, width, out = 6, 42, 300
-    counts = torch.tensor([1, 0, 16, 17, 3, 7])
+    experts, width, out = 7, 42, 300
+    counts = torch.tensor([1, 0, 16, 17, 3, 7, 12])  # up to 8 rows and 9-16 take different loops
     ends = counts.cumsum(0).to(offs_dtype)
     rows = torch.randn(int(counts.sum()) + 2, width)  # 2 padding rows
     if layout == "rows":
@@ -1973,15 +1973,16 @@ def test_the_experts_kernel_is_torchs_matmul_per_expert(layout, offs_dtype, thre
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", [1, 3, 4, 7, 16, 17])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 8, 9, 12, 16, 17])
 def test_the_dense_kernel_is_torchs_linear(rows, threads):
-    """A decode step's 1..16 rows by an nn.Linear weight run in the C kernel's dense loop, with and without a bias, on
-    rows strided as DeepSpeed's LM-head shard takes them and on a weight that is a slice of a wider one; 17 rows
-    (prefill), other dtypes and a bias torch broadcasts are torch's own product, exactly."""
+    """A decode step's 1..16 rows by an nn.Linear weight run in the C kernel's dense loop (up to 8 rows the 4 x 6 tile,
+    9-16 the rows as one vector's lanes), with and without a bias, on rows strided as DeepSpeed's LM-head shard takes
+    them and on a weight that is a slice of a wider one; 17 rows (prefill), other dtypes and a bias torch broadcasts
+    are torch's own product, exactly."""
     assert rt.grouped_mm_kernel() is not None, "the kernel did not build on this machine"
     torch.manual_seed(0)
     # 300 inputs: a chunk of 256 and a tail that is not a multiple of the 16 lanes; 45 outputs: blocks of 6 and a
-    # tail of 3
+    # tail of 3, panels of 8 and a tail of 5
     wide = torch.randn(45, 310)
     weight, bias = wide[:, :300], torch.randn(45)
     hidden = torch.randn(rows, 1, 320)

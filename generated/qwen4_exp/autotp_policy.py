@@ -42,7 +42,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'qwen4_exp', 'moe_classes': ['Qwen4ExpTextSparseMoeBlock'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': ['shared_expert'], 'routers': ['gate', 'shared_expert_gate'], 'attention_replicated': ['indexer'], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn', 'linear_attn'], 'replicated': ['visual'], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'linear_num_key_heads', 'linear_num_value_heads', 'moe_intermediate_size', 'shared_expert_intermediate_size'], 'linear_attention': {'attr': 'linear_attn', 'projections': [['in_proj_qkv', ['key_dim', 'key_dim', 'value_dim']], ['in_proj_z', []], ['in_proj_b', []], ['in_proj_a', []]], 'conv': 'conv1d', 'conv_segments': ['key_dim', 'key_dim', 'value_dim'], 'head_params': ['A_log', 'dt_bias'], 'output': 'out_proj', 'local_sizes': ['num_k_heads', 'num_v_heads', 'key_dim', 'value_dim', 'conv_dim']}, 'whole_modules': ['Qwen4ExpTextGatedResidual', 'Qwen4ExpTextPLELayer']}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_qwen4_exp'
-RUNTIME_SHA256 = 'd4051690761c94eb843fd2c41573bac18e6f1e12c622553d96fb35d182df0348'
+RUNTIME_SHA256 = '44f480e862e959709931a843ee4a03fc21aabee158ba9935a8d208dfcd80b075'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -1867,7 +1867,9 @@ rows by an nn.Linear weight (out, in), in float32. torch's BLAS reads a 16-row p
 read bandwidth (MKL: 35-47 GFLOP/s on one thread); this loop keeps a tile of 4 rows by 6 weight rows in vector
 registers. Measured on an Intel Xeon (AVX-512), one thread, a weight of 5472x2048 (DeepSeek-V2-Lite's dense MLP
 projection at TP=2): 16 rows 9.3 -> 5.8 ms, 8 rows 9.0 -> 3.8, 4 rows 6.7 -> 3.4, 1 row 3.3 -> 3.3; its compiled
-decode step at batch 16 on 2 ranks (full widths, 2 layers) went from 119-129 to 104-108 ms.
+decode step at batch 16 on 2 ranks (full widths, 2 layers) went from 119-129 to 104-108 ms. From 9 rows on the rows
+are one vector's lanes (`linear_lanes_span`): the tile's reloads of x from L2 stalled the weight's stream (16 rows, a
+full-width Qwen1.5-MoE layer's dense products streamed from memory: 12.0 -> 9.0-9.5 ms).
 
 And eager attention (codegen.policy.runtime.eager_attention): a decode step's (`decode_attention`: one new token
 per row over its cached keys, each kv head's keys and values read once for its query heads) and a prefill's
@@ -2070,7 +2072,7 @@ int64_t codegen_grouped_mm(const float *x, int64_t S, int64_t ldx, const void *w
             else by_weight_columns_bf16(xg, ldx, we, sn, K, rows, nb, og, ldo);
         } else {
             const float *we = (const float *)w + at;
-            if (sn != 1) linear_span(xg, rows, ldx, we, sn, K, 0, nb, NULL, og, ldo);
+            if (sn != 1) linear_rows_span(xg, rows, ldx, we, sn, K, 0, nb, NULL, og, ldo);
             else if (rows >= 4) by_weight_rows_tiled(xg, ldx, we, sk, K, rows, nb, og, ldo);
             else by_weight_rows_f32(xg, ldx, we, sk, K, rows, nb, og, ldo);
         }
@@ -2433,19 +2435,128 @@ static void linear_span(const float *x, int64_t R, int64_t ldx, const float *w, 
     }
 }
 
+/* More than LANES / 2 rows: the rows are one vector's lanes (x transposed, K x LANES, the lanes past R zero), each
+   weight element broadcast onto them and multiplied in, LANES_PANEL weight rows at a time, each read once from memory
+   in its own order. The 4 x 6 tile above reloads x's rows from L2 for every 6 weight rows and stalls the weight's
+   stream while it does (16 rows of a weight streamed from memory: 70 GFLOP/s, 8.7 GB/s); here x is one vector per k
+   (92 GFLOP/s, 11.5 GB/s, about the read bandwidth of a single row's product). Up to LANES / 2 rows the tile stays:
+   the lanes would be half empty. */
+#define LANES_PANEL 8
+static void lanes_panel(const float *xt, const float *w, int64_t ldw, int64_t K, int64_t rows, lane_vector *acc,
+                        int64_t ahead) {
+    lane_vector a[LANES_PANEL];
+    const float *p[LANES_PANEL];  /* a last panel's missing rows repeat its first: every output sums in one order */
+    for (int j = 0; j < LANES_PANEL; j++) { a[j] = (lane_vector){0}; p[j] = w + (j < rows ? j : 0) * ldw; }
+    int64_t k = 0;
+    for (; k + LANES <= K; k += LANES) {  /* one cache line of each weight row per pass, summed apart, then added */
+        if (ahead)
+            for (int j = 0; j < LANES_PANEL; j++) __builtin_prefetch(p[j] + ahead + k, 0, 2);
+        const float *xk = xt + k * LANES;
+        lane_vector line[LANES_PANEL];
+        #pragma GCC unroll 8
+        for (int j = 0; j < LANES_PANEL; j++) line[j] = p[j][k] * *(const lane_vector *)xk;
+        #pragma GCC unroll 16
+        for (int kk = 1; kk < LANES; kk++) {
+            const lane_vector xv = *(const lane_vector *)(xk + kk * LANES);
+            #pragma GCC unroll 8
+            for (int j = 0; j < LANES_PANEL; j++) line[j] += p[j][k + kk] * xv;
+        }
+        #pragma GCC unroll 8
+        for (int j = 0; j < LANES_PANEL; j++) a[j] += line[j];
+    }
+    for (; k < K; k++) {  /* K's tail past the last whole line */
+        const lane_vector xv = *(const lane_vector *)(xt + k * LANES);
+        for (int j = 0; j < LANES_PANEL; j++) a[j] += p[j][k] * xv;
+    }
+    for (int j = 0; j < rows; j++) acc[j] = a[j];
+}
+
+/* v[i][m] becomes v[m][i] (16 x 16): four rounds of pairwise shuffles, each swapping one bit of the row index with
+   the same bit of the lane index */
+static inline void transposed_16(lane_vector *v) {
+    for (int i = 0; i < LANES; i++) if (!(i & 1)) {
+        const lane_vector a = v[i], c = v[i + 1];
+        v[i] = SHUFFLE(a, c, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+        v[i + 1] = SHUFFLE(a, c, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+    }
+    for (int i = 0; i < LANES; i++) if (!(i & 2)) {
+        const lane_vector a = v[i], c = v[i + 2];
+        v[i] = SHUFFLE(a, c, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+        v[i + 2] = SHUFFLE(a, c, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    }
+    for (int i = 0; i < LANES; i++) if (!(i & 4)) {
+        const lane_vector a = v[i], c = v[i + 4];
+        v[i] = SHUFFLE(a, c, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+        v[i + 4] = SHUFFLE(a, c, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    }
+    for (int i = 0; i < LANES; i++) if (!(i & 8)) {
+        const lane_vector a = v[i], c = v[i + 8];
+        v[i] = SHUFFLE(a, c, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+        v[i + 8] = SHUFFLE(a, c, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    }
+}
+
+static void linear_lanes_span(const float *xt, int64_t R, const float *w, int64_t ldw, int64_t K, int64_t n0,
+                              int64_t n1, const float *bias, float *out, int64_t ldo) {
+    for (int64_t p0 = n0; p0 < n1; p0 += LANES_PANEL) {
+        const int64_t rows = n1 - p0 < LANES_PANEL ? n1 - p0 : LANES_PANEL;
+        const int64_t ahead = p0 + 2 * LANES_PANEL <= n1 ? LANES_PANEL * ldw : 0;  /* the next panel, on the way */
+        lane_vector acc[LANES_PANEL];
+        lanes_panel(xt, w + p0 * ldw, ldw, K, rows, acc, ahead);
+        for (int64_t j = 0; j < rows; j++) {
+            const float add = bias ? bias[p0 + j] : 0.f;
+            for (int64_t r = 0; r < R; r++) out[r * ldo + p0 - n0 + j] = acc[j][r] + add;
+        }
+    }
+}
+
+/* x (R x K, ldx) transposed into this thread's buffer, 64-byte aligned: row r is lane r, the lanes past R zero; NULL
+   where the buffer cannot grow. A fresh one per call (128 KiB at 2048 inputs) would be mapped and faulted in each
+   time. */
+static float *transposed_rows(const float *x, int64_t R, int64_t ldx, int64_t K) {
+    static __thread float *held = NULL;
+    static __thread int64_t held_floats = 0;
+    if (held_floats < K * LANES + 16) {
+        float *grown = (float *)realloc(held, (K * LANES + 16) * sizeof(float));
+        if (!grown) return NULL;
+        held = grown;
+        held_floats = K * LANES + 16;
+    }
+    float *xt = (float *)(((uintptr_t)held + 63) & ~(uintptr_t)63);
+    const int64_t whole = K / LANES * LANES;
+    for (int64_t k0 = 0; k0 < whole; k0 += LANES) {  /* 16 x 16 at a time, in registers */
+        lane_vector v[LANES];
+        for (int64_t r = 0; r < LANES; r++) v[r] = r < R ? *(const lane_vector *)(x + r * ldx + k0) : (lane_vector){0};
+        transposed_16(v);
+        for (int64_t k = 0; k < LANES; k++) *(lane_vector *)(xt + (k0 + k) * LANES) = v[k];
+    }
+    for (int64_t k = whole; k < K; k++)
+        for (int64_t r = 0; r < LANES; r++) xt[k * LANES + r] = r < R ? x[r * ldx + k] : 0.f;
+    return xt;
+}
+
+/* rows by a dense weight's rows n0..n1: the tile up to LANES / 2 rows, the lanes above (the tile where x's
+   transposition cannot be had) */
+static void linear_rows_span(const float *x, int64_t R, int64_t ldx, const float *w, int64_t ldw, int64_t K,
+                             int64_t n0, int64_t n1, const float *bias, float *out, int64_t ldo) {
+    const float *xt = R > LANES / 2 && R <= LANES ? transposed_rows(x, R, ldx, K) : NULL;
+    if (xt) linear_lanes_span(xt, R, w, ldw, K, n0, n1, bias, out, ldo);
+    else linear_span(x, R, ldx, w, ldw, K, n0, n1, bias, out, ldo);
+}
+
 /* out (R x N, ldo) = x (R x K, ldx) @ w^T + bias (N, or NULL), w (N x K, ldw): returns 0, or -1 for a shape it does
-   not take (the caller runs torch's matmul). Each thread takes one run of whole blocks; each output element is
-   summed in one order whatever the thread count. */
+   not take (the caller runs torch's matmul). Each thread takes one run of whole blocks (of the lanes' panels from
+   LANES / 2 rows on); each output element is summed in one order whatever the thread count. */
 int64_t codegen_linear_rows(const float *x, int64_t R, int64_t ldx, const float *w, int64_t ldw, int64_t K,
                             int64_t N, const float *bias, float *out, int64_t ldo, int threads) {
     if (R < 1 || R > MAX_ROWS || K < 1 || N < 1 || ldw < K || ldx < K) return -1;
-    const int64_t blocks = (N + LINEAR_BLOCK - 1) / LINEAR_BLOCK;
+    const int64_t unit = R > LANES / 2 ? LANES_PANEL : LINEAR_BLOCK, blocks = (N + unit - 1) / unit;
     const int64_t spans = threads > 1 && blocks > 1 ? (threads < blocks ? threads : blocks) : 1;
-    const int64_t per = (blocks + spans - 1) / spans * LINEAR_BLOCK;
+    const int64_t per = (blocks + spans - 1) / spans * unit;
     #pragma omp parallel for schedule(static) num_threads(threads) if (spans > 1)
     for (int64_t t = 0; t < spans; t++) {
         const int64_t n0 = t * per, n1 = n0 + per < N ? n0 + per : N;
-        if (n0 < n1) linear_span(x, R, ldx, w, ldw, K, n0, n1, bias, out + n0, ldo);
+        if (n0 < n1) linear_rows_span(x, R, ldx, w, ldw, K, n0, n1, bias, out + n0, ldo);
     }
     return 0;
 }
