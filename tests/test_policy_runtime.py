@@ -1993,8 +1993,11 @@ def test_the_dense_kernel_is_torchs_linear(rows, threads):
         got = [rt.linear_rows(shard, weight, b) for b in (None, bias)]
         half = rt.linear_rows(shard.bfloat16(), weight.bfloat16())
         broadcast = rt.linear_rows(shard, weight, bias[:1])  # a bias torch broadcasts: torch's own product
+        torch.set_num_threads(1)
+        alone = rt.linear_rows(shard, weight, bias)
     finally:
         torch.set_num_threads(before)
+    assert torch.equal(got[1], alone)  # each output summed in one order, whatever the thread count
     for result, b in zip(got, (None, bias)):
         want = torch.nn.functional.linear(shard, weight, b)
         assert result.shape == (rows, 1, 45)
