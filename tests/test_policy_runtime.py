@@ -1939,16 +1939,17 @@ def _grouped_reference(rows, weight, ends):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_experts_kernel_is_torchs_matmul_per_expert(layout, offs_dtype, threads, dtype):
-    """Groups of 1..16 rows go to the C kernel, larger ones (prefill) to torch, empty experts are skipped and the
-    padding rows past the last group are 0, in both weight layouts transformers passes (gpt-oss's row-major
-    experts, and the transposed view of the (E, out, in) ones), float32 and bfloat16 (summed in float32 and
-    rounded once, as torch's bfloat16 matmul does: within one bfloat16 step of the float32 product)."""
+    """Groups of 1..16 rows go to the C kernel (1..64 for float32 (E, out, in) weights), larger ones (prefill) to
+    torch, empty experts are skipped and the padding rows past the last group are 0, in both weight layouts
+    transformers passes (gpt-oss's row-major experts, and the transposed view of the (E, out, in) ones), float32 and
+    bfloat16 (summed in float32 and rounded once, as torch's bfloat16 matmul does: within one bfloat16 step of the
+    float32 product)."""
     assert rt.grouped_mm_kernel() is not None, "the kernel did not build on this machine"
     torch.manual_seed(0)
     # 300 columns: more than one column block of the kernel; 42 inputs: not a multiple of the 4 weight rows (or the
     # vector widths) the kernel takes at a time, so its tails run too
-    experts, width, out = 7, 42, 300
-    counts = torch.tensor([1, 0, 16, 17, 3, 7, 12])  # up to 8 rows and 9-16 take different loops
+    experts, width, out = 9, 42, 300
+    counts = torch.tensor([1, 0, 16, 17, 3, 7, 12, 40, 65])  # up to 8 rows, 9-16 and 17-64 take different loops
     ends = counts.cumsum(0).to(offs_dtype)
     rows = torch.randn(int(counts.sum()) + 2, width)  # 2 padding rows
     if layout == "rows":
@@ -1973,18 +1974,21 @@ def test_the_experts_kernel_is_torchs_matmul_per_expert(layout, offs_dtype, thre
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", [1, 3, 4, 7, 8, 9, 12, 16, 17])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 8, 9, 12, 16, 17, 33, 64, 65])
 def test_the_dense_kernel_is_torchs_linear(rows, threads):
-    """A decode step's 1..16 rows by an nn.Linear weight run in the C kernel's dense loop (up to 8 rows the 4 x 6 tile,
-    9-16 the rows as one vector's lanes), with and without a bias, on rows strided as DeepSpeed's LM-head shard takes
-    them and on a weight that is a slice of a wider one; 17 rows (prefill), other dtypes and a bias torch broadcasts
-    are torch's own product, exactly."""
+    """A decode step's or a short prompt's 1..64 rows by an nn.Linear weight run in the C kernel's dense loop (up to 8
+    rows the 4 x 6 tile, 9-16 the rows as one vector's lanes, 17-64 as 2-4 vectors' lanes), with and without a bias,
+    on rows strided as DeepSpeed's LM-head shard takes them and on a weight that is a slice of a wider one (of
+    `DENSE_KERNEL_WIDE_WEIGHT` elements: below it, more than 16 rows are torch's own product); 65 rows, other dtypes
+    and a bias torch broadcasts are torch's own product, exactly."""
     assert rt.grouped_mm_kernel() is not None, "the kernel did not build on this machine"
     torch.manual_seed(0)
-    # 300 inputs: a chunk of 256 and a tail that is not a multiple of the 16 lanes; 45 outputs: blocks of 6 and a
-    # tail of 3, panels of 8 and a tail of 5
-    wide = torch.randn(45, 310)
-    weight, bias = wide[:, :300], torch.randn(45)
+    # 300 inputs: a chunk of 256 and a tail that is not a multiple of the 16 lanes; 3500 outputs: blocks of 6 and a
+    # tail of 2, panels of 8 and a tail of 4, wide panels of 12, 8 and 6 with tails, and 16-column blocks and a tail
+    outputs = 3500
+    assert outputs * 300 >= rt.DENSE_KERNEL_WIDE_WEIGHT
+    wide = torch.randn(outputs, 310)
+    weight, bias = wide[:, :300], torch.randn(outputs)
     hidden = torch.randn(rows, 1, 320)
     shard = hidden[..., 10:310]  # rows 320 floats apart, as x[..., shard] is
     before = torch.get_num_threads()
@@ -1993,20 +1997,29 @@ def test_the_dense_kernel_is_torchs_linear(rows, threads):
         got = [rt.linear_rows(shard, weight, b) for b in (None, bias)]
         half = rt.linear_rows(shard.bfloat16(), weight.bfloat16())
         broadcast = rt.linear_rows(shard, weight, bias[:1])  # a bias torch broadcasts: torch's own product
+        narrow = rt.linear_rows(shard, weight[:45], bias[:45])
+        # torch's own products, at the same thread count (BLAS's sums depend on it)
+        wants = [torch.nn.functional.linear(shard, weight, b) for b in (None, bias)]
+        half_want = torch.nn.functional.linear(shard.bfloat16(), weight.bfloat16())
+        broadcast_want = torch.nn.functional.linear(shard, weight, bias[:1])
+        narrow_want = torch.nn.functional.linear(shard, weight[:45], bias[:45])
         torch.set_num_threads(1)
         alone = rt.linear_rows(shard, weight, bias)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(got[1], alone)  # each output summed in one order, whatever the thread count
-    for result, b in zip(got, (None, bias)):
-        want = torch.nn.functional.linear(shard, weight, b)
-        assert result.shape == (rows, 1, 45)
-        if rows > rt.SMALL_GROUP_ROWS:
+    for result, want in zip(got, wants):
+        assert result.shape == (rows, 1, outputs)
+        if rows > rt.DENSE_KERNEL_ROWS:
             assert torch.equal(result, want)
         else:
             assert torch.allclose(result, want, atol=1e-4, rtol=1e-5), (result - want).abs().max()
-    assert torch.equal(half, torch.nn.functional.linear(shard.bfloat16(), weight.bfloat16()))
-    assert torch.equal(broadcast, torch.nn.functional.linear(shard, weight, bias[:1]))
+    assert torch.equal(half, half_want)
+    assert torch.equal(broadcast, broadcast_want)
+    if rows > rt.SMALL_GROUP_ROWS:
+        assert torch.equal(narrow, narrow_want)
+    else:
+        assert torch.allclose(narrow, narrow_want, atol=1e-4, rtol=1e-5)
 
 
 def test_compiled_ranks_run_float32_dense_products_on_the_dense_kernel():

@@ -37,7 +37,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'granitemoeshared', 'moe_classes': ['GraniteMoeSharedMoE'], 'experts': '', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'input_linear.weight', 'down': 'output_linear.weight', 'size_attr': '', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': [], 'routers': ['router'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['block_sparse_moe'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'intermediate_size'], 'linear_attention': None, 'whole_modules': ['GraniteMoeSharedMLP']}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_granitemoeshared'
-RUNTIME_SHA256 = '44f480e862e959709931a843ee4a03fc21aabee158ba9935a8d208dfcd80b075'
+RUNTIME_SHA256 = 'b754114bf344ec7c44f0178908d433895e77fec62cb13e6ed41dd7ca215c2d68'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -1854,8 +1854,9 @@ at batch 1, 1.05-1.22x at batch 16).
 
 The same library holds the fused experts (`fused_experts`, codegen.policy.runtime.experts_implementation): a whole
 MoE layer's routed experts in one call, each expert's rows gathered, multiplied by gate-up, gated, multiplied by down
-and added into their tokens' sums while they are in cache; experts with more than 16 rows multiply through BLAS's
-`sgemm` (the one torch's matmul calls, found in torch's library), the others through the loops above.
+and added into their tokens' sums while they are in cache; experts with more rows than the loops take (16; 64 for
+float32 (E, out, in) weights) multiply through BLAS's `sgemm` (the one torch's matmul calls, found in torch's
+library), the others through the loops above.
 
 And the dense loop (`linear_rows`, codegen.policy.runtime.compiled's `codegen::linear_rows`): a decode step's 1-16
 rows by an nn.Linear weight (out, in), in float32. torch's BLAS reads a 16-row product's weight at a third of the
@@ -1864,7 +1865,9 @@ registers. Measured on an Intel Xeon (AVX-512), one thread, a weight of 5472x204
 projection at TP=2): 16 rows 9.3 -> 5.8 ms, 8 rows 9.0 -> 3.8, 4 rows 6.7 -> 3.4, 1 row 3.3 -> 3.3; its compiled
 decode step at batch 16 on 2 ranks (full widths, 2 layers) went from 119-129 to 104-108 ms. From 9 rows on the rows
 are one vector's lanes (`linear_lanes_span`): the tile's reloads of x from L2 stalled the weight's stream (16 rows, a
-full-width Qwen1.5-MoE layer's dense products streamed from memory: 12.0 -> 9.0-9.5 ms).
+full-width Qwen1.5-MoE layer's dense products streamed from memory: 12.0 -> 9.0-9.5 ms). From 17 to 64 rows (a
+short prompt's prefill) they are the lanes of 2-4 vectors (`linear_wide_span`), where torch's BLAS packs the weight on
+every call: the same products at 64 rows, 33-37 -> 27 ms.
 
 And eager attention (codegen.policy.runtime.eager_attention): a decode step's (`decode_attention`: one new token
 per row over its cached keys, each kv head's keys and values read once for its query heads) and a prefill's
@@ -1892,6 +1895,14 @@ import torch  # first: the kernel's OpenMP threads run on the runtime torch load
 #: experts with at most this many rows go to the kernel; more (prefill) go to torch's matmul, which packs the
 #: weight once and wins from there on
 SMALL_GROUP_ROWS = 16
+
+#: rows the dense loop (`linear_rows`) takes: a decode step's, and a short prompt's (its products are bound by the
+#: multiply-adds from 17 rows on, where torch's BLAS packs the weight on every call; measured)
+DENSE_KERNEL_ROWS = 64
+#: the least elements of a weight the dense loop takes more than SMALL_GROUP_ROWS rows by (4 MiB in float32): it
+#: wins where the weight streams from memory (17-64 rows, 256x2048 to 5632x2048: 1.1-1.6x torch's product), and BLAS's
+#: packing and microkernel win where it sits in cache, as a toy model's do (512x512 in cache: 0.7-0.9x)
+DENSE_KERNEL_WIDE_WEIGHT = 1 << 20
 
 
 #: the torch.library Libraries the runtime's ops are defined through, alive as long as the process (their ops go
@@ -1922,8 +1933,8 @@ _HEAD = r"""
 #include <math.h>
 #include <float.h>
 
-#ifndef MAX_ROWS
-#error "build with -DMAX_ROWS=<SMALL_GROUP_ROWS>"
+#if !defined(MAX_ROWS) || !defined(WIDE_ROWS)
+#error "build with -DMAX_ROWS=<SMALL_GROUP_ROWS> -DWIDE_ROWS=<DENSE_KERNEL_ROWS>"
 #endif
 #define ACC_FLOATS 4096  /* one task's accumulators (rows x columns, 16 KiB): they stay in L1 */
 #define MIN_BLOCK 64
@@ -2026,10 +2037,15 @@ static void by_weight_columns_TYPE(const float *x, int64_t ldx, const WEIGHT *w,
 """
 
 _ENTRY = r"""
+/* the most rows a group of this layout has in the kernel: float32 weights with the input dim contiguous go through
+   the dense loop, whose lanes take up to WIDE_ROWS (a prefill's crowded experts, which sgemm multiplies at 40-60% of
+   the GEMM rate: it packs the weight each call); the other layouts' loops up to MAX_ROWS */
+static inline int64_t kernel_rows(int wbf16, int64_t sn) { return !wbf16 && sn != 1 ? WIDE_ROWS : MAX_ROWS; }
+
 /* out = x @ w per expert group, x (S, K) float32 rows sorted by expert, w (E, K, N) float32 or (wbf16) bfloat16 with
-   strides (se, sk, sn), sk == 1 or sn == 1, out (S, N) float32. Computes the groups with 1..MAX_ROWS rows and zeroes
-   the rows past the last group; returns how many groups have more rows (the caller computes those), or -1 if the
-   layout is not one it takes or the offsets point past x. */
+   strides (se, sk, sn), sk == 1 or sn == 1, out (S, N) float32. Computes the groups with 1..kernel_rows rows and
+   zeroes the rows past the last group; returns how many groups have more rows (the caller computes those), or -1 if
+   the layout is not one it takes, the offsets point past x or a buffer cannot be had. */
 int64_t codegen_grouped_mm(const float *x, int64_t S, int64_t ldx, const void *w, int wbf16, int64_t se, int64_t sk,
                            int64_t sn, const void *offs, int offs64, int64_t E, int64_t K, int64_t N,
                            float *out, int64_t ldo, int threads) {
@@ -2037,11 +2053,12 @@ int64_t codegen_grouped_mm(const float *x, int64_t S, int64_t ldx, const void *w
     int64_t *small = (int64_t *)malloc((E > 0 ? E : 1) * sizeof(int64_t));
     if (!small) return -1;
     int64_t nsmall = 0, large = 0, last = 0, most = 1;
+    const int64_t limit = kernel_rows(wbf16, sn);
     for (int64_t e = 0; e < E; e++) {
         int64_t start, end;
         group(offs, offs64, e, &start, &end);
         if (end > S || start < 0) { free(small); return -1; }  /* not offsets into x: left to the caller's torch */
-        if (end - start > MAX_ROWS) large++;
+        if (end - start > limit) large++;
         else if (end > start) { small[nsmall++] = e; if (end - start > most) most = end - start; }
         if (end > last) last = end;
     }
@@ -2052,7 +2069,8 @@ int64_t codegen_grouped_mm(const float *x, int64_t S, int64_t ldx, const void *w
     int64_t block = tiled ? TILED_BLOCK : sn == 1 ? (ACC_FLOATS / most) / 16 * 16 : 256;
     if (block < MIN_BLOCK) block = MIN_BLOCK;
     const int64_t blocks = (N + block - 1) / block, tasks = nsmall * blocks;
-    #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && tasks > 1)
+    int failed = 0;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && tasks > 1) reduction(|:failed)
     for (int64_t t = 0; t < tasks; t++) {
         const int64_t e = small[t / blocks], n0 = (t % blocks) * block;
         const int64_t nb = N - n0 < block ? N - n0 : block;
@@ -2067,13 +2085,13 @@ int64_t codegen_grouped_mm(const float *x, int64_t S, int64_t ldx, const void *w
             else by_weight_columns_bf16(xg, ldx, we, sn, K, rows, nb, og, ldo);
         } else {
             const float *we = (const float *)w + at;
-            if (sn != 1) linear_rows_span(xg, rows, ldx, we, sn, K, 0, nb, NULL, og, ldo);
+            if (sn != 1) failed |= linear_rows_span(xg, rows, ldx, we, sn, K, 0, nb, NULL, og, ldo);
             else if (rows >= 4) by_weight_rows_tiled(xg, ldx, we, sk, K, rows, nb, og, ldo);
             else by_weight_rows_f32(xg, ldx, we, sk, K, rows, nb, og, ldo);
         }
     }
     free(small);
-    return large;
+    return failed ? -1 : large;
 }
 """
 
@@ -2170,7 +2188,7 @@ static void add_weighted(float *out, int64_t H, const int64_t *tok, const float 
 /* out (T, H) = for each token, over its k routed experts in expert order, the sum of weight * (down(gate(x @ w1 + b1))
    + b2), w1 (E, H, I2) and w2 (E, I2 / 2, H) float32 with element strides (expert, in, out), in or out 1; b1 (E, I2)
    and b2 (E, H) with expert strides sb1 and sb2 (NULL: none). Each expert's rows are gathered, multiplied, gated,
-   multiplied and added into `out` while they are in cache. Experts with fewer than blas_rows (MAX_ROWS + 1) rows go
+   multiplied and added into `out` while they are in cache. Experts with fewer than blas_rows (kernel_rows + 1) rows go
    first, all together, through codegen_grouped_mm; the others one by one through sgemm. Measured, one thread, one
    MoE layer of a TP=2 shard at the bench's published widths, float32, against sgemm for every expert: 64 tokens (a
    batch-1 prefill, 4-8 rows per expert) 82-99 ms against 132-170 (Qwen1.5-MoE, DeepSeek-V2, Qwen3-MoE) and 200
@@ -2182,7 +2200,8 @@ int64_t codegen_fused_experts(const float *x, int64_t T, int64_t ldx, const int6
                               int64_t sb1, const float *b2, int64_t sb2, int gate, float alpha, float limit,
                               float *out, void *sgemm_address, int threads) {
     const sgemm_fn sgemm = (sgemm_fn)sgemm_address;
-    const int64_t S = T * k, I = I2 / 2, blas_rows = MAX_ROWS + 1;
+    const int64_t r1 = kernel_rows(0, s1n), r2 = kernel_rows(0, s2n);
+    const int64_t S = T * k, I = I2 / 2, blas_rows = (r1 < r2 ? r1 : r2) + 1;
     if (!sgemm || I2 % 2 || (s1k != 1 && s1n != 1)
         || (s2k != 1 && s2n != 1) || (gate != GATE_SILU && gate != GATE_CLAMPED_SWIGLU)) return -1;
     for (int64_t s = 0; s < S; s++) if (idx[s] < 0 || idx[s] >= E) return -1;
@@ -2505,55 +2524,151 @@ static void linear_lanes_span(const float *xt, int64_t R, const float *w, int64_
     }
 }
 
-/* x (R x K, ldx) transposed into this thread's buffer, 64-byte aligned: row r is lane r, the lanes past R zero; NULL
-   where the buffer cannot grow. A fresh one per call (128 KiB at 2048 inputs) would be mapped and faulted in each
-   time. */
-static float *transposed_rows(const float *x, int64_t R, int64_t ldx, int64_t K) {
-    static __thread float *held = NULL;
-    static __thread int64_t held_floats = 0;
-    if (held_floats < K * LANES + 16) {
-        float *grown = (float *)realloc(held, (K * LANES + 16) * sizeof(float));
+/* From LANES + 1 to WIDE_ROWS rows (a short prompt's prefill): the rows are the lanes of V = ceil(R / LANES)
+   vectors, WIDE_SUMS / V weight rows at a time, their line sums (WIDE_SUMS vectors) in registers and each weight
+   element broadcast onto V vectors of x. Past 16 rows a product is bound by its multiply-adds, not the weight's
+   stream; torch's BLAS packs the weight on every call (from memory, not overlapped with its sums) and ran the 64-row
+   products of a full-width Qwen1.5-MoE layer at 92-97 GFLOP/s, one thread (the GEMM rate: 150-165). */
+#define WIDE_SUMS 24
+#if WIDE_ROWS > 4 * LANES || WIDE_ROWS < MAX_ROWS
+#error "WIDE_ROWS: MAX_ROWS to 4 vectors' lanes"
+#endif
+#define LANES_WIDE(V)                                                                                            \
+static void lanes_wide_##V(const float *xt, const float *w, int64_t ldw, int64_t K, int64_t rows,              \
+                           lane_vector *acc, int64_t ahead) {                                                    \
+    enum { P = WIDE_SUMS / V };                                                                                  \
+    const float *p[P];  /* a last panel's missing rows repeat its first, as lanes_panel's do */                 \
+    for (int j = 0; j < P; j++) p[j] = w + (j < rows ? j : 0) * ldw;                                            \
+    for (int m = 0; m < P * V; m++) acc[m] = (lane_vector){0};                                                   \
+    int64_t k = 0;                                                                                               \
+    for (; k + LANES <= K; k += LANES) {                                                                         \
+        if (ahead)                                                                                               \
+            for (int j = 0; j < P; j++) __builtin_prefetch(p[j] + ahead + k, 0, 2);                             \
+        const lane_vector *xk = (const lane_vector *)(xt + k * LANES * V);                                      \
+        lane_vector line[P][V];                                                                                  \
+        _Pragma("GCC unroll 12")                                                                                 \
+        for (int j = 0; j < P; j++)                                                                              \
+            for (int v = 0; v < V; v++) line[j][v] = p[j][k] * xk[v];                                           \
+        _Pragma("GCC unroll 16")                                                                                 \
+        for (int kk = 1; kk < LANES; kk++) {                                                                     \
+            _Pragma("GCC unroll 12")                                                                             \
+            for (int j = 0; j < P; j++)                                                                          \
+                for (int v = 0; v < V; v++) line[j][v] += p[j][k + kk] * xk[kk * V + v];                        \
+        }                                                                                                        \
+        for (int j = 0; j < P; j++)                                                                              \
+            for (int v = 0; v < V; v++) acc[j * V + v] += line[j][v];                                            \
+    }                                                                                                            \
+    for (; k < K; k++) {  /* K's tail past the last whole line */                                               \
+        const lane_vector *xk = (const lane_vector *)(xt + k * LANES * V);                                      \
+        for (int j = 0; j < P; j++)                                                                              \
+            for (int v = 0; v < V; v++) acc[j * V + v] += p[j][k] * xk[v];                                       \
+    }                                                                                                            \
+}
+LANES_WIDE(2) LANES_WIDE(3) LANES_WIDE(4)
+
+typedef void (*lanes_wide_fn)(const float *, const float *, int64_t, int64_t, int64_t, lane_vector *, int64_t);
+static const lanes_wide_fn LANES_WIDE_BY_VECTORS[5] = {0, 0, lanes_wide_2, lanes_wide_3, lanes_wide_4};
+
+/* a thread's buffer of at least `floats` floats, 64-byte aligned, kept between calls (slot: which of its buffers);
+   NULL where it cannot grow. A fresh one per call (128 KiB and more) would be mapped and faulted in each time. */
+static float *thread_buffer(int slot, int64_t floats) {
+    static __thread float *held[2] = {NULL, NULL};
+    static __thread int64_t held_floats[2] = {0, 0};
+    if (held_floats[slot] < floats + 16) {
+        float *grown = (float *)realloc(held[slot], (floats + 16) * sizeof(float));
         if (!grown) return NULL;
-        held = grown;
-        held_floats = K * LANES + 16;
+        held[slot] = grown;
+        held_floats[slot] = floats + 16;
     }
-    float *xt = (float *)(((uintptr_t)held + 63) & ~(uintptr_t)63);
+    return (float *)(((uintptr_t)held[slot] + 63) & ~(uintptr_t)63);
+}
+
+/* the panels' sums go to a buffer column after column (V vectors each), then out row after row, 16 columns at a
+   time transposed in registers (written one by one, the sums cost as much as a 128-input product's multiply-adds) */
+static int linear_wide_span(const float *xt, int64_t R, const float *w, int64_t ldw, int64_t K, int64_t n0,
+                            int64_t n1, const float *bias, float *out, int64_t ldo) {
+    const int64_t V = (R + LANES - 1) / LANES, P = WIDE_SUMS / V, columns = n1 - n0;
+    lane_vector *sums = (lane_vector *)thread_buffer(1, (columns + WIDE_SUMS + LANES) * V * LANES);
+    if (!sums) return -1;
+    for (int64_t p0 = n0; p0 < n1; p0 += P) {
+        const int64_t rows = n1 - p0 < P ? n1 - p0 : P;
+        const int64_t ahead = p0 + 2 * P <= n1 ? P * ldw : 0;  /* the next panel, on the way */
+        LANES_WIDE_BY_VECTORS[V](xt, w + p0 * ldw, ldw, K, rows, sums + (p0 - n0) * V, ahead);
+    }
+    for (int64_t c0 = 0; c0 < columns; c0 += LANES) {
+        const int64_t here = columns - c0 < LANES ? columns - c0 : LANES;
+        lane_vector add = (lane_vector){0};
+        if (bias) memcpy(&add, bias + n0 + c0, here * sizeof(float));
+        for (int64_t v0 = 0; v0 < V; v0++) {
+            lane_vector t[LANES];
+            for (int64_t i = 0; i < LANES; i++) t[i] = i < here ? sums[(c0 + i) * V + v0] : (lane_vector){0};
+            transposed_16(t);
+            for (int64_t m = 0; m < LANES && v0 * LANES + m < R; m++) {
+                const lane_vector o = t[m] + add;
+                float *row = out + (v0 * LANES + m) * ldo + c0;
+                if (here == LANES) *(lane_vector *)row = o;
+                else memcpy(row, &o, here * sizeof(float));
+            }
+        }
+    }
+    return 0;
+}
+
+/* x (R x K, ldx) transposed into this thread's buffer: for each k, V = ceil(R / LANES) vectors, row r lane r % LANES
+   of vector r / LANES, the lanes past R zero; NULL where the buffer cannot grow */
+static float *transposed_rows(const float *x, int64_t R, int64_t ldx, int64_t K) {
+    const int64_t V = (R + LANES - 1) / LANES;
+    float *xt = thread_buffer(0, K * LANES * V);
+    if (!xt) return NULL;
     const int64_t whole = K / LANES * LANES;
-    for (int64_t k0 = 0; k0 < whole; k0 += LANES) {  /* 16 x 16 at a time, in registers */
-        lane_vector v[LANES];
-        for (int64_t r = 0; r < LANES; r++) v[r] = r < R ? *(const lane_vector *)(x + r * ldx + k0) : (lane_vector){0};
-        transposed_16(v);
-        for (int64_t k = 0; k < LANES; k++) *(lane_vector *)(xt + (k0 + k) * LANES) = v[k];
+    for (int64_t v0 = 0; v0 < V; v0++) {
+        const float *xv = x + v0 * LANES * ldx;
+        const int64_t here = R - v0 * LANES < LANES ? R - v0 * LANES : LANES;
+        for (int64_t k0 = 0; k0 < whole; k0 += LANES) {  /* 16 x 16 at a time, in registers */
+            lane_vector v[LANES];
+            for (int64_t r = 0; r < LANES; r++)
+                v[r] = r < here ? *(const lane_vector *)(xv + r * ldx + k0) : (lane_vector){0};
+            transposed_16(v);
+            for (int64_t k = 0; k < LANES; k++) *(lane_vector *)(xt + ((k0 + k) * V + v0) * LANES) = v[k];
+        }
+        for (int64_t k = whole; k < K; k++)
+            for (int64_t r = 0; r < LANES; r++) xt[(k * V + v0) * LANES + r] = r < here ? xv[r * ldx + k] : 0.f;
     }
-    for (int64_t k = whole; k < K; k++)
-        for (int64_t r = 0; r < LANES; r++) xt[k * LANES + r] = r < R ? x[r * ldx + k] : 0.f;
     return xt;
 }
 
-/* rows by a dense weight's rows n0..n1: the tile up to LANES / 2 rows, the lanes above (the tile where x's
-   transposition cannot be had) */
-static void linear_rows_span(const float *x, int64_t R, int64_t ldx, const float *w, int64_t ldw, int64_t K,
-                             int64_t n0, int64_t n1, const float *bias, float *out, int64_t ldo) {
-    const float *xt = R > LANES / 2 && R <= LANES ? transposed_rows(x, R, ldx, K) : NULL;
+/* rows by a dense weight's rows n0..n1: the tile up to LANES / 2 rows, one vector's lanes to LANES (the tile where
+   x's transposition cannot be had), several vectors' lanes above; returns -1 where more than MAX_ROWS rows cannot
+   have their transposition */
+static int linear_rows_span(const float *x, int64_t R, int64_t ldx, const float *w, int64_t ldw, int64_t K,
+                            int64_t n0, int64_t n1, const float *bias, float *out, int64_t ldo) {
+    const float *xt = R > LANES / 2 ? transposed_rows(x, R, ldx, K) : NULL;
+    if (xt && R > LANES) return linear_wide_span(xt, R, w, ldw, K, n0, n1, bias, out, ldo);
     if (xt) linear_lanes_span(xt, R, w, ldw, K, n0, n1, bias, out, ldo);
-    else linear_span(x, R, ldx, w, ldw, K, n0, n1, bias, out, ldo);
+    else if (R <= MAX_ROWS) linear_span(x, R, ldx, w, ldw, K, n0, n1, bias, out, ldo);
+    else return -1;
+    return 0;
 }
 
-/* out (R x N, ldo) = x (R x K, ldx) @ w^T + bias (N, or NULL), w (N x K, ldw): returns 0, or -1 for a shape it does
-   not take (the caller runs torch's matmul). Each thread takes one run of whole blocks (of the lanes' panels from
-   LANES / 2 rows on); each output element is summed in one order whatever the thread count. */
+/* out (R x N, ldo) = x (R x K, ldx) @ w^T + bias (N, or NULL), w (N x K, ldw), 1..WIDE_ROWS rows: returns 0, or
+   -1 for a shape it does not take or a buffer it cannot have (the caller runs torch's matmul). Each thread takes one
+   run of whole blocks (of the lanes' panels from LANES / 2 rows on); each output element is summed in one order
+   whatever the thread count. */
 int64_t codegen_linear_rows(const float *x, int64_t R, int64_t ldx, const float *w, int64_t ldw, int64_t K,
                             int64_t N, const float *bias, float *out, int64_t ldo, int threads) {
-    if (R < 1 || R > MAX_ROWS || K < 1 || N < 1 || ldw < K || ldx < K) return -1;
-    const int64_t unit = R > LANES / 2 ? LANES_PANEL : LINEAR_BLOCK, blocks = (N + unit - 1) / unit;
+    if (R < 1 || R > WIDE_ROWS || K < 1 || N < 1 || ldw < K || ldx < K) return -1;
+    const int64_t unit = R > LANES ? WIDE_SUMS / ((R + LANES - 1) / LANES) : R > LANES / 2 ? LANES_PANEL
+                                                                                            : LINEAR_BLOCK;
+    const int64_t blocks = (N + unit - 1) / unit;
     const int64_t spans = threads > 1 && blocks > 1 ? (threads < blocks ? threads : blocks) : 1;
     const int64_t per = (blocks + spans - 1) / spans * unit;
-    #pragma omp parallel for schedule(static) num_threads(threads) if (spans > 1)
+    int failed = 0;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (spans > 1) reduction(|:failed)
     for (int64_t t = 0; t < spans; t++) {
         const int64_t n0 = t * per, n1 = n0 + per < N ? n0 + per : N;
-        if (n0 < n1) linear_rows_span(x, R, ldx, w, ldw, K, n0, n1, bias, out + n0, ldo);
+        if (n0 < n1) failed |= linear_rows_span(x, R, ldx, w, ldw, K, n0, n1, bias, out + n0, ldo);
     }
-    return 0;
+    return failed ? -1 : 0;
 }
 """
 
@@ -2824,7 +2939,7 @@ def grouped_mm_kernel():
     """The loaded kernel (a ctypes function), or None where it cannot be had here (the reason is said once)."""
     # fused multiply-adds where the CPU has them (ISO C's default, off, runs the dense loop's tile 10% slower)
     flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c99", "-ffp-contract=fast",
-             f"-DMAX_ROWS={SMALL_GROUP_ROWS}"]
+             f"-DMAX_ROWS={SMALL_GROUP_ROWS}", f"-DWIDE_ROWS={DENSE_KERNEL_ROWS}"]
     try:
         compiler = _c_compiler()
         if compiler is None:
@@ -2975,8 +3090,15 @@ def experts_grouped_mm(input, weight, offs):
         if large == 0:
             return output
         if large > 0:
-            return _matmul_per_expert(input, weight, offs, output, more_than=SMALL_GROUP_ROWS)
+            return _matmul_per_expert(input, weight, offs, output, more_than=kernel_rows(weight))
     return _matmul_per_expert(input, weight, offs, input.new_zeros(input.shape[0], weight.shape[-1]))
+
+
+def kernel_rows(weight):
+    """The most rows an expert of `weight` (E, in, out) has in the kernel (its C `kernel_rows`): float32 with `in`
+    contiguous goes through the dense loop's lanes (`DENSE_KERNEL_ROWS`), the other layouts through loops that beat
+    torch's matmul only up to `SMALL_GROUP_ROWS`."""
+    return DENSE_KERNEL_ROWS if weight.dtype == torch.float32 and weight.stride(-1) != 1 else SMALL_GROUP_ROWS
 
 
 def _matmul_per_expert(input, weight, offs, output, more_than=0):
@@ -2990,13 +3112,16 @@ def _matmul_per_expert(input, weight, offs, output, more_than=0):
 
 
 def linear_rows(input, weight, bias=None):
-    """`input @ weight.T + bias` (nn.Linear's product), a decode step's few rows through the kernel's dense loop:
-    float32 on CPU, `weight` (out, in) with `in` contiguous, 1..`SMALL_GROUP_ROWS` rows; any other call is torch's
-    own (prefill's rows are many, and BLAS packs the weight once for them). It runs for every dense product of a
-    decode step, so its checks are plain attribute reads (a call costs about what `F.linear`'s dispatch does)."""
+    """`input @ weight.T + bias` (nn.Linear's product), a decode step's or a short prompt's rows through the
+    kernel's dense loop: float32 on CPU, `weight` (out, in) with `in` contiguous, 1..`SMALL_GROUP_ROWS` rows (up to
+    `DENSE_KERNEL_ROWS` by a weight of `DENSE_KERNEL_WIDE_WEIGHT` elements or more); any other call is torch's own
+    (a long prompt's rows are many, and BLAS's packing of the weight pays off over them).
+    It runs for every dense product of a decode step, so its checks are plain attribute reads (a call costs about
+    what `F.linear`'s dispatch does)."""
     width, f32 = input.shape[-1], torch.float32
     rows = input.numel() // width if width else 0
-    takes = (1 <= rows <= SMALL_GROUP_ROWS and input.is_cpu and weight.is_cpu and input.dtype is f32
+    most = DENSE_KERNEL_ROWS if weight.numel() >= DENSE_KERNEL_WIDE_WEIGHT else SMALL_GROUP_ROWS
+    takes = (1 <= rows <= most and input.is_cpu and weight.is_cpu and input.dtype is f32
              and weight.dtype is f32 and weight.dim() == 2 and weight.stride(1) == 1 and weight.shape[1] == width
              and (bias is None or (bias.is_cpu and bias.dtype is f32 and bias.shape == weight.shape[:1])))
     kernel = grouped_mm_kernel() if takes else None
@@ -3654,7 +3779,7 @@ def register_ops():
     one matmul per expert that has rows against 7.2-9.3 ms.
     `linear_rows`: `F.linear(input, weight, bias)`; a decode step's 1-16 rows by the C kernel's dense loop, which
     streams the weight once for all of them where torch's BLAS (and inductor, which calls it) reads 16 rows at a
-    third of the read bandwidth."""
+    third of the read bandwidth, and a short prompt's 17-64 rows, where BLAS packs the weight on every call."""
     if hasattr(torch.ops.codegen, "tp_all_reduce"):
         return
     define_op(TP_ALL_REDUCE, "Tensor(a!) tensor, Tensor? after", _tp_all_reduce, lambda tensor, after: None,
