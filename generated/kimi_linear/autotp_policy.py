@@ -41,7 +41,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'kimi_linear', 'moe_classes': ['KimiLinearMoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': ['q_a_proj', 'kv_a_proj_with_mqa'], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size'], 'linear_attention': None, 'whole_modules': ['KimiLinearDeltaAttention'], 'latent_attention': {'expand': 'expand_kv', 'up_projection': 'kv_b_proj', 'nope_width': 'qk_nope_head_dim', 'value_width': 'v_head_dim', 'selected_keys': 'indices'}}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_kimi_linear'
-RUNTIME_SHA256 = 'b754114bf344ec7c44f0178908d433895e77fec62cb13e6ed41dd7ca215c2d68'
+RUNTIME_SHA256 = '5e24c3abde5bf52175db966187e40e7258fa2c5de19a2864f5be160b03a24d06'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -1905,7 +1905,7 @@ SMALL_GROUP_ROWS = 16
 DENSE_KERNEL_ROWS = 64
 #: the least elements of a weight the dense loop takes more than SMALL_GROUP_ROWS rows by (4 MiB in float32): it
 #: wins where the weight streams from memory (17-64 rows, 256x2048 to 5632x2048: 1.1-1.6x torch's product), and BLAS's
-#: packing and microkernel win where it sits in cache, as a toy model's do (512x512 in cache: 0.7-0.9x)
+#: packing and microkernel win where it sits in cache, as a toy model's do (512x512 in cache: 0.7-1.0x)
 DENSE_KERNEL_WIDE_WEIGHT = 1 << 20
 
 
@@ -2532,7 +2532,7 @@ static void linear_lanes_span(const float *xt, int64_t R, const float *w, int64_
    vectors, WIDE_SUMS / V weight rows at a time, their line sums (WIDE_SUMS vectors) in registers and each weight
    element broadcast onto V vectors of x. Past 16 rows a product is bound by its multiply-adds, not the weight's
    stream; torch's BLAS packs the weight on every call (from memory, not overlapped with its sums) and ran the 64-row
-   products of a full-width Qwen1.5-MoE layer at 92-97 GFLOP/s, one thread (the GEMM rate: 150-165). */
+   products of a full-width Qwen1.5-MoE layer at 92-99 GFLOP/s, one thread (the GEMM rate: 150-165). */
 #define WIDE_SUMS 24
 #if WIDE_ROWS > 4 * LANES || WIDE_ROWS < MAX_ROWS
 #error "WIDE_ROWS: MAX_ROWS to 4 vectors' lanes"
