@@ -253,12 +253,19 @@ def test_a_launch_without_jobs_measures_the_machine_limits_only():
     the same limits: the bench's own measurement, on as many ranks, at once, and nothing loaded."""
     from codegen.harness.launcher import launch
 
+    from codegen.ranks import rank_cores
+
     ranks = launch({"tp": 2, "device": "cpu", "dtype": "float32", "limits": True, "jobs": []}, 2, 300.0)
     assert [r["jobs"] for r in ranks] == [{}, {}]
     for rank in ranks:
         limits = rank["limits"]
         assert limits["read_bytes_per_s"] > 0 and limits["gemm_flops_per_s"] > 0
         assert limits["concurrent_ranks"] == 2 and limits["dtype"] == "float32"
+    # each rank ran on its own share of the cores (where there are as many cores as ranks)
+    expected = [rank_cores(r, 2) for r in range(2)]
+    if all(expected):
+        assert [set(r["limits"]["cores"]) for r in ranks] == expected
+        assert not set(ranks[0]["limits"]["cores"]) & set(ranks[1]["limits"]["cores"])
 
 
 @pytest.mark.runtime

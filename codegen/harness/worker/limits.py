@@ -7,6 +7,7 @@ ranks share the memory bus: one rank alone would see more bandwidth than either 
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -98,7 +99,8 @@ def measure_limits(run) -> dict:
     gemm = _best(run, lambda: a @ b, trials=3)
     return {"read_bytes_per_s": nbytes / read, "copy_bytes_per_s": nbytes / copy,  # copy: half read + half written
             "gemm_flops_per_s": 2 * n ** 3 / gemm, "buffer_bytes": nbytes, "last_level_cache_bytes": cache,
-            "gemm_n": n, "dtype": run.dtype_name, "threads": torch.get_num_threads(), "concurrent_ranks": world}
+            "gemm_n": n, "dtype": run.dtype_name, "threads": torch.get_num_threads(), "concurrent_ranks": world,
+            "cores": sorted(os.sched_getaffinity(0))}  # the cores the launcher bound this rank to (codegen.ranks)
 
 
 # ------------------------------------------------------------------------- what a setup holds, what it hits
