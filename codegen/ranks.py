@@ -2,10 +2,10 @@
 
 Each rank is a separate `python -m codegen <hidden subcommand>` process with RANK, LOCAL_RANK, WORLD_SIZE,
 LOCAL_WORLD_SIZE, MASTER_ADDR/PORT (env:// rendezvous on loopback), LOCAL_SIZE (DeepSpeed's CPU all-reduce
-needs it) and its share of the cores as OMP_NUM_THREADS. The ranks are started directly rather than through
-torchrun's elastic agent: the agent imports torch before it starts a rank, which costs ~5 s of a 2-core machine
-per launch, and adds nothing for a fixed single-node group. When one rank fails the others are stopped (they
-would wait in a collective for it forever), as torchrun does.
+needs it) and its share of the cores as OMP_NUM_THREADS; a CPU rank is bound to those cores. The ranks are started
+directly rather than through torchrun's elastic agent: the agent imports torch before it starts a rank, which costs
+~5 s of a 2-core machine per launch, and adds nothing for a fixed single-node group. When one rank fails the others
+are stopped (they would wait in a collective for it forever), as torchrun does.
 """
 
 from __future__ import annotations

@@ -100,7 +100,8 @@ def measure_limits(run) -> dict:
     return {"read_bytes_per_s": nbytes / read, "copy_bytes_per_s": nbytes / copy,  # copy: half read + half written
             "gemm_flops_per_s": 2 * n ** 3 / gemm, "buffer_bytes": nbytes, "last_level_cache_bytes": cache,
             "gemm_n": n, "dtype": run.dtype_name, "threads": torch.get_num_threads(), "concurrent_ranks": world,
-            "cores": sorted(os.sched_getaffinity(0))}  # the cores the launcher bound this rank to (codegen.ranks)
+            # the cores the launcher bound this rank to (codegen.ranks)
+            "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
 
 
 # ------------------------------------------------------------------------- what a setup holds, what it hits
