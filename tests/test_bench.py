@@ -252,7 +252,6 @@ def test_a_launch_without_jobs_measures_the_machine_limits_only():
     """What `bench --peer` measures before vLLM runs, so that its record joins only a bench run on a machine with
     the same limits: the bench's own measurement, on as many ranks, at once, and nothing loaded."""
     from codegen.harness.launcher import launch
-
     from codegen.ranks import rank_cores
 
     ranks = launch({"tp": 2, "device": "cpu", "dtype": "float32", "limits": True, "jobs": []}, 2, 300.0)
