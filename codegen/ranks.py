@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from codegen.policy.runtime.environment import extensions_dir, usable_cores
+from codegen.policy.runtime.environment import affinity_cores, extensions_dir, usable_cores
 from codegen.policy.runtime.probe import SHM_DIR, shm_job_prefix
 
 #: the ranks rendezvous on this host only
@@ -58,9 +58,8 @@ def rank_cores(rank: int, world: int) -> set[int] | None:
     there are fewer cores than ranks, or with CODEGEN_BIND_CORES=0."""
     if os.environ.get(BIND_CORES, "1") == "0":
         return None
-    try:
-        cores = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
+    cores = affinity_cores()
+    if not cores:
         return None
     share = len(cores) // world
     return set(cores[rank * share:(rank + 1) * share]) if share else None

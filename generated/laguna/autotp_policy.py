@@ -40,7 +40,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'laguna', 'moe_classes': ['LagunaSparseMoeBlock'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': ['g_proj'], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size', 'shared_expert_intermediate_size'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_laguna'
-RUNTIME_SHA256 = '5e24c3abde5bf52175db966187e40e7258fa2c5de19a2864f5be160b03a24d06'
+RUNTIME_SHA256 = '96785dfe1226e5ee7abe650149cea0a273295ea75d3bbdfb479a84e7c86d9fef'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -341,12 +341,18 @@ def local_ranks(env=None, world=1):
     return max(1, world)
 
 
-def usable_cores():
-    """The cores this process may run on (its CPU affinity), else the machine's."""
+def affinity_cores():
+    """The cores this process may run on (its CPU affinity), in order; None where the OS does not say."""
     try:
-        return len(os.sched_getaffinity(0))
+        return sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        return None
+
+
+def usable_cores():
+    """How many cores this process may run on, else the machine's."""
+    cores = affinity_cores()
+    return len(cores) if cores else os.cpu_count() or 1
 
 
 def thread_note(torch, ranks, env=None):

@@ -7,7 +7,6 @@ ranks share the memory bus: one rank alone would see more bandwidth than either 
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import torch
 
 from codegen.harness.memory import is_expert_param
 from codegen.harness.worker.model_figures import WRAPPER_PARTS, moe_blocks, output_embeddings
+from codegen.policy.runtime.environment import affinity_cores
 
 #: the read buffer is at least this many times the last-level cache, and at least MIN_BUFFER bytes
 CACHE_MULTIPLE, MIN_BUFFER = 4, 256 << 20
@@ -101,7 +101,7 @@ def measure_limits(run) -> dict:
             "gemm_flops_per_s": 2 * n ** 3 / gemm, "buffer_bytes": nbytes, "last_level_cache_bytes": cache,
             "gemm_n": n, "dtype": run.dtype_name, "threads": torch.get_num_threads(), "concurrent_ranks": world,
             # the cores the launcher bound this rank to (codegen.ranks)
-            "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
+            "cores": affinity_cores()}
 
 
 # ------------------------------------------------------------------------- what a setup holds, what it hits

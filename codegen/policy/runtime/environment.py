@@ -110,12 +110,18 @@ def local_ranks(env=None, world=1):
     return max(1, world)
 
 
-def usable_cores():
-    """The cores this process may run on (its CPU affinity), else the machine's."""
+def affinity_cores():
+    """The cores this process may run on (its CPU affinity), in order; None where the OS does not say."""
     try:
-        return len(os.sched_getaffinity(0))
+        return sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        return None
+
+
+def usable_cores():
+    """How many cores this process may run on, else the machine's."""
+    cores = affinity_cores()
+    return len(cores) if cores else os.cpu_count() or 1
 
 
 def thread_note(torch, ranks, env=None):
