@@ -1941,10 +1941,10 @@ def _grouped_reference(rows, weight, ends):
 def test_the_experts_kernel_is_torchs_matmul_per_expert(layout, offs_dtype, threads, dtype):
     """float32 groups of any rows go to the C kernel (the dense loop up to 64 rows for (E, out, in) weights, the
     blocked loop on packed blocks past it; the blocked loop in place from 2 rows for row-major ones), bfloat16 groups
-    of 1..16 rows (larger ones, a prefill's, to torch), empty experts are skipped and the padding rows past the last group are 0, in both weight layouts
-    transformers passes (gpt-oss's row-major experts, and the transposed view of the (E, out, in) ones), float32 and
-    bfloat16 (summed in float32 and rounded once, as torch's bfloat16 matmul does: within one bfloat16 step of the
-    float32 product)."""
+    of 1..16 rows (larger ones, a prefill's, to torch); empty experts are skipped and the padding rows past the last
+    group are 0, in both weight layouts transformers passes (gpt-oss's row-major experts, and the transposed view of
+    the (E, out, in) ones), float32 and bfloat16 (summed in float32 and rounded once, as torch's bfloat16 matmul
+    does: within one bfloat16 step of the float32 product)."""
     assert rt.grouped_mm_kernel() is not None, "the kernel did not build on this machine"
     torch.manual_seed(0)
     # 300 columns: more than one column block of the kernel; 270 inputs: more than one block of the blocked loop's
@@ -2128,8 +2128,8 @@ def _use_fused(model, family):
 
 def test_the_policy_runs_transformers_experts_as_the_fused_op_where_they_take_it(monkeypatch):
     """A float32 CPU model on transformers' default (`grouped_mm`) switches to `codegen`: every experts module runs
-    the op and the logits stay (Qwen3-MoE, GPT-OSS; the same Parameters, now stored with `in` contiguous where they
-    are at least as wide in as out, `out` contiguous where narrower); experts whose gate is not the layout's (checked on a probe) are left to
+    the op and the logits stay (Qwen3-MoE, GPT-OSS; GPT-OSS's weights, kept input-dim first, now stored with `in`
+    contiguous, the same Parameters); experts whose gate is not the layout's (checked on a probe) are left to
     transformers; a model set to another implementation keeps it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -2145,10 +2145,7 @@ def test_the_policy_runs_transformers_experts_as_the_fused_op_where_they_take_it
             assert _use_fused(model, family) is None
             got = model(ids).logits
         assert weights and {name: (p, p.shape) for name, p in model.named_parameters() if p.dim() == 3} == weights
-        taken = [param if family == "gpt_oss" else param.transpose(1, 2) for param, _shape in weights.values()]
-        narrower = [t.shape[1] < t.shape[2] for t in taken]  # (E, in, out) as the op takes them
-        assert set(narrower) == {True, False}, family  # gate-up and down projections
-        assert all(t.stride(2 if down else 1) == 1 for t, down in zip(taken, narrower)), family
+        assert all(param.stride(1 if family == "gpt_oss" else 2) == 1 for param, _shape in weights.values()), family
         assert model.config._experts_implementation == rt.IMPLEMENTATION
         assert rt.fused_module_count(model) == model.config.num_hidden_layers
         assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item(), family

@@ -39,7 +39,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'flex_olmo', 'moe_classes': ['FlexOlmoSparseMoeBlock'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': [], 'routers': ['gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [['q_norm', 'q_proj'], ['k_norm', 'k_proj']], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'intermediate_size'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_flex_olmo'
-RUNTIME_SHA256 = 'ca074b849965f9539537f5362ed5e35e966b6f9f6932c88b96e34d3447d552b7'
+RUNTIME_SHA256 = '976689665ec99981d33dd45c5dbf41d6ae6061534a003648f23e3530013b4e25'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -2207,8 +2207,7 @@ static void add_weighted(float *out, int64_t H, const int64_t *tok, const float 
    one MoE layer of a TP=2 shard at the bench's published widths, float32, against sgemm for every expert: 64 tokens
    (a batch-1 prefill, 4-8 rows per expert) 82-99 ms against 132-170 (Qwen1.5-MoE, DeepSeek-V2, Qwen3-MoE) and 200
    against 274 (GPT-OSS), 16 tokens 3-10% faster. The experts alone, in the kernel's loops instead of sgemm (random
-   routing, 1024 tokens, AMD EPYC): 537 -> 438 ms (Qwen3-MoE), 457 -> 394 (Qwen1.5-MoE), 1162 -> 1005 (GPT-OSS),
-   with the down projections stored `out` contiguous (experts_implementation.relaid_for_the_op). Returns 0, -1 for an expert id outside 0..E-1 or a layout it
+   routing, 1024 tokens, AMD EPYC): 537 -> 508 ms (Qwen3-MoE), 457 -> 430 (Qwen1.5-MoE), 1162 -> 1026 (GPT-OSS). Returns 0, -1 for an expert id outside 0..E-1 or a layout it
    does not take, -2 when out of memory. */
 int64_t codegen_fused_experts(const float *x, int64_t T, int64_t ldx, const int64_t *idx, const float *wts, int64_t k,
                               int64_t E, const float *w1, int64_t s1e, int64_t s1k, int64_t s1n, const float *w2,
@@ -3330,33 +3329,23 @@ def fused_call(experts, fused):
     return (*names, fused.get("gate", GATE_SILU), *(params + (0.0, 0.0))[:2])
 
 
-#: the input width from which an expert weight at least as wide in as out is stored `in` contiguous
-#: (`relaid_for_the_op`): the dense loop's dot products then pay for their final sums; measured (GPT-OSS's shapes, one
-#: thread): 512 and wider gain, 64 (a toy shard's down projection) loses 10%
+#: the input width from which an expert weight kept input-dim first is stored `in` contiguous (input_dim_contiguous):
+#: the dense loop's dot products then pay for their final sums; measured (GPT-OSS's shapes, one thread): 512 and
+#: wider gain, 64 (a toy shard's down projection) loses 10%
 INPUT_CONTIGUOUS_FROM = 256
 
 
 @torch.no_grad()
-def relaid_for_the_op(experts, names):
-    """Store an experts module's weights in the layout the op's loops read fastest, same shape, same Parameters; one
-    weight at a time is copied. Taken as (E, in, out):
-    - at least as wide in as out (a gate-up projection, hidden -> 2 x intermediate), from INPUT_CONTIGUOUS_FROM
-      inputs: `in` contiguous. The dense loop streams each output's weights in one run, where the input-dim-first
-      loop read them at 8-11 GB/s against 12-16 (a 64-token prefill's layer of gpt-oss-20b's TP=2 shard, one thread:
-      197 -> 136 ms; a batch-16 decode step's, 122 -> 84).
-    - narrower in than out (a down projection), float32: `out` contiguous. A prefill's experts then run the blocked
-      loop in place (a full-width TP=2 shard's down projection, 384 or 704 by 2048, 17-64 rows: 75-102 GFLOP/s
-      against 46-88 in the dense loop's lanes, one thread on the AMD EPYC), and a decode step's read about as fast
-      (1-3 rows: 0.9-1.2x the dense loop's time)."""
+def input_dim_contiguous(experts, names):
+    """Store an experts module's weights kept input-dim first ((E, in, out), `out` contiguous: GPT-OSS's) with `in`
+    contiguous instead, same shape, same Parameters: the op's dense loop streams each output's weights in one run,
+    where the input-dim-first loop reads them at 8-11 GB/s against 12-16 (a 64-token prefill's layer of gpt-oss-20b's
+    TP=2 shard, one thread: 197 -> 136 ms; a batch-16 decode step's, 122 -> 84). One weight at a time is copied."""
+    if not experts.is_transposed:  # (E, out, in) as transformers keeps it: `in` is contiguous already
+        return
     for name in names:
         weight = getattr(experts, name)
-        taken = weight if experts.is_transposed else weight.transpose(1, 2)  # (E, in, out), as the op takes it
-        inputs, outputs = taken.shape[1], taken.shape[2]
-        if inputs < outputs and weight.dtype == torch.float32:
-            relay = taken.stride(2) != 1
-        else:
-            relay = inputs >= INPUT_CONTIGUOUS_FROM and taken.stride(1) != 1
-        if relay:
+        if weight.stride(1) != 1 and weight.shape[1] >= INPUT_CONTIGUOUS_FROM:
             weight.data = weight.data.transpose(1, 2).contiguous().transpose(1, 2)
 
 
@@ -3397,7 +3386,7 @@ def use_fused_experts(blocks, layout):
     for module, call in calls:
         if call:
             setattr(module, FUSED_ATTR, call)
-            relaid_for_the_op(module, call[:2])
+            input_dim_contiguous(module, call[:2])
     for config in {id(m.config): m.config for m in experts}.values():
         config._experts_implementation = IMPLEMENTATION
     return None

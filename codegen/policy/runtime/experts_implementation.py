@@ -97,33 +97,23 @@ def fused_call(experts, fused):
     return (*names, fused.get("gate", GATE_SILU), *(params + (0.0, 0.0))[:2])
 
 
-#: the input width from which an expert weight at least as wide in as out is stored `in` contiguous
-#: (`relaid_for_the_op`): the dense loop's dot products then pay for their final sums; measured (GPT-OSS's shapes, one
-#: thread): 512 and wider gain, 64 (a toy shard's down projection) loses 10%
+#: the input width from which an expert weight kept input-dim first is stored `in` contiguous (input_dim_contiguous):
+#: the dense loop's dot products then pay for their final sums; measured (GPT-OSS's shapes, one thread): 512 and
+#: wider gain, 64 (a toy shard's down projection) loses 10%
 INPUT_CONTIGUOUS_FROM = 256
 
 
 @torch.no_grad()
-def relaid_for_the_op(experts, names):
-    """Store an experts module's weights in the layout the op's loops read fastest, same shape, same Parameters; one
-    weight at a time is copied. Taken as (E, in, out):
-    - at least as wide in as out (a gate-up projection, hidden -> 2 x intermediate), from INPUT_CONTIGUOUS_FROM
-      inputs: `in` contiguous. The dense loop streams each output's weights in one run, where the input-dim-first
-      loop read them at 8-11 GB/s against 12-16 (a 64-token prefill's layer of gpt-oss-20b's TP=2 shard, one thread:
-      197 -> 136 ms; a batch-16 decode step's, 122 -> 84).
-    - narrower in than out (a down projection), float32: `out` contiguous. A prefill's experts then run the blocked
-      loop in place (a full-width TP=2 shard's down projection, 384 or 704 by 2048, 17-64 rows: 75-102 GFLOP/s
-      against 46-88 in the dense loop's lanes, one thread on the AMD EPYC), and a decode step's read about as fast
-      (1-3 rows: 0.9-1.2x the dense loop's time)."""
+def input_dim_contiguous(experts, names):
+    """Store an experts module's weights kept input-dim first ((E, in, out), `out` contiguous: GPT-OSS's) with `in`
+    contiguous instead, same shape, same Parameters: the op's dense loop streams each output's weights in one run,
+    where the input-dim-first loop reads them at 8-11 GB/s against 12-16 (a 64-token prefill's layer of gpt-oss-20b's
+    TP=2 shard, one thread: 197 -> 136 ms; a batch-16 decode step's, 122 -> 84). One weight at a time is copied."""
+    if not experts.is_transposed:  # (E, out, in) as transformers keeps it: `in` is contiguous already
+        return
     for name in names:
         weight = getattr(experts, name)
-        taken = weight if experts.is_transposed else weight.transpose(1, 2)  # (E, in, out), as the op takes it
-        inputs, outputs = taken.shape[1], taken.shape[2]
-        if inputs < outputs and weight.dtype == torch.float32:
-            relay = taken.stride(2) != 1
-        else:
-            relay = inputs >= INPUT_CONTIGUOUS_FROM and taken.stride(1) != 1
-        if relay:
+        if weight.stride(1) != 1 and weight.shape[1] >= INPUT_CONTIGUOUS_FROM:
             weight.data = weight.data.transpose(1, 2).contiguous().transpose(1, 2)
 
 
@@ -164,7 +154,7 @@ def use_fused_experts(blocks, layout):
     for module, call in calls:
         if call:
             setattr(module, FUSED_ATTR, call)
-            relaid_for_the_op(module, call[:2])
+            input_dim_contiguous(module, call[:2])
     for config in {id(m.config): m.config for m in experts}.values():
         config._experts_implementation = IMPLEMENTATION
     return None

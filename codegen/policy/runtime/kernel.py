@@ -368,8 +368,7 @@ static void add_weighted(float *out, int64_t H, const int64_t *tok, const float 
    one MoE layer of a TP=2 shard at the bench's published widths, float32, against sgemm for every expert: 64 tokens
    (a batch-1 prefill, 4-8 rows per expert) 82-99 ms against 132-170 (Qwen1.5-MoE, DeepSeek-V2, Qwen3-MoE) and 200
    against 274 (GPT-OSS), 16 tokens 3-10% faster. The experts alone, in the kernel's loops instead of sgemm (random
-   routing, 1024 tokens, AMD EPYC): 537 -> 438 ms (Qwen3-MoE), 457 -> 394 (Qwen1.5-MoE), 1162 -> 1005 (GPT-OSS),
-   with the down projections stored `out` contiguous (experts_implementation.relaid_for_the_op). Returns 0, -1 for an expert id outside 0..E-1 or a layout it
+   routing, 1024 tokens, AMD EPYC): 537 -> 508 ms (Qwen3-MoE), 457 -> 430 (Qwen1.5-MoE), 1162 -> 1026 (GPT-OSS). Returns 0, -1 for an expert id outside 0..E-1 or a layout it
    does not take, -2 when out of memory. */
 int64_t codegen_fused_experts(const float *x, int64_t T, int64_t ldx, const int64_t *idx, const float *wts, int64_t k,
                               int64_t E, const float *w1, int64_t s1e, int64_t s1k, int64_t s1n, const float *w2,
