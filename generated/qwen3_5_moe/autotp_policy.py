@@ -41,7 +41,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'qwen3_5_moe', 'moe_classes': ['Qwen3_5MoeSparseMoeBlock'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': ['shared_expert'], 'routers': ['gate', 'shared_expert_gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn', 'linear_attn'], 'replicated': ['visual'], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'linear_num_key_heads', 'linear_num_value_heads', 'moe_intermediate_size', 'shared_expert_intermediate_size'], 'linear_attention': {'attr': 'linear_attn', 'projections': [['in_proj_qkv', ['key_dim', 'key_dim', 'value_dim']], ['in_proj_z', []], ['in_proj_b', []], ['in_proj_a', []]], 'conv': 'conv1d', 'conv_segments': ['key_dim', 'key_dim', 'value_dim'], 'head_params': ['A_log', 'dt_bias'], 'output': 'out_proj', 'local_sizes': ['num_k_heads', 'num_v_heads', 'key_dim', 'value_dim', 'conv_dim']}}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_qwen3_5_moe'
-RUNTIME_SHA256 = '976689665ec99981d33dd45c5dbf41d6ae6061534a003648f23e3530013b4e25'
+RUNTIME_SHA256 = '65682b9631ee5e3a005b3d63463e4460891e53824c08edefd10754d4647582be'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -1847,10 +1847,10 @@ A decode step routes each token to a few experts, so every expert's matmul has 1
 product that should stream the expert's weights from memory once. torch's CPU matmul runs such products at a third
 of the machine's read bandwidth and pays ~7 us of dispatch each, and a batch-16 step of toy Qwen3-MoE widths issues
 ~670 of them. This kernel visits every expert with 1..`SMALL_GROUP_ROWS` rows in one call, streaming each weight in
-its memory order; experts with more rows (prefill) are left to torch's matmul in bfloat16, and run the loops
-below in float32. Measured (toy Qwen3-MoE widths, batch
-16, its 4 layers' experts, float32, one thread): 7.4 ms against 20.3 ms with torch's matmul per expert, 6.9 ms to
-only read the weights; its compiled decode step on 2 ranks went from 28 to 17 ms. Weights stored row-major (input
+its memory order; bfloat16 experts with more rows (prefill) are left to torch's matmul, float32 ones run the loops
+below. Measured (toy Qwen3-MoE widths, batch 16, its 4 layers' experts, float32, one thread): 7.4 ms against 20.3 ms
+with torch's matmul per expert, 6.9 ms to only read the weights; its compiled decode step on 2 ranks went from 28 to
+17 ms. Weights stored row-major (input
 dim first, as GPT-OSS keeps them) are applied four weight rows at a time to accumulators that stay in L1, a task
 spanning as many columns as those fit, so the weight streams in long runs: on an Intel Xeon (AVX-512), one thread,
 GPT-OSS-20b's experts at TP=2 widths went from 8.7 to 14.2 GB/s at batch 1 and from 6.4 to 10.0 at batch 16 (torch
@@ -2100,7 +2100,8 @@ int64_t codegen_grouped_mm(const float *x, int64_t S, int64_t ldx, const void *w
             else by_weight_columns_bf16(xg, ldx, we, sn, K, rows, nb, og, ldo);
         } else {
             const float *we = (const float *)w + at;
-            if (sn != 1 && rows > PACKED_FROM) failed |= by_weight_columns_packed(xg, ldx, we, sn, K, rows, nb, og, ldo);
+            if (sn != 1 && rows > PACKED_FROM)
+                failed |= by_weight_columns_packed(xg, ldx, we, sn, K, rows, nb, og, ldo);
             else if (sn != 1) failed |= linear_rows_span(xg, rows, ldx, we, sn, K, 0, nb, NULL, og, ldo);
             else if (rows >= BLOCKED_FROM) by_weight_rows_blocked(xg, ldx, we, sk, K, rows, nb, og, ldo);
             else by_weight_rows_f32(xg, ldx, we, sk, K, rows, nb, og, ldo);
@@ -2209,8 +2210,8 @@ static void add_weighted(float *out, int64_t H, const int64_t *tok, const float 
    one MoE layer of a TP=2 shard at the bench's published widths, float32, against sgemm for every expert: 64 tokens
    (a batch-1 prefill, 4-8 rows per expert) 82-99 ms against 132-170 (Qwen1.5-MoE, DeepSeek-V2, Qwen3-MoE) and 200
    against 274 (GPT-OSS), 16 tokens 3-10% faster. The experts alone, in the kernel's loops instead of sgemm (random
-   routing, 1024 tokens, AMD EPYC): 537 -> 508 ms (Qwen3-MoE), 457 -> 430 (Qwen1.5-MoE), 1162 -> 1026 (GPT-OSS). Returns 0, -1 for an expert id outside 0..E-1 or a layout it
-   does not take, -2 when out of memory. */
+   routing, 1024 tokens, AMD EPYC): 537 -> 508 ms (Qwen3-MoE), 457 -> 430 (Qwen1.5-MoE), 1162 -> 1026 (GPT-OSS).
+   Returns 0, -1 for an expert id outside 0..E-1 or a layout it does not take, -2 when out of memory. */
 int64_t codegen_fused_experts(const float *x, int64_t T, int64_t ldx, const int64_t *idx, const float *wts, int64_t k,
                               int64_t E, const float *w1, int64_t s1e, int64_t s1k, int64_t s1n, const float *w2,
                               int64_t s2e, int64_t s2k, int64_t s2n, int64_t H, int64_t I2, const float *b1,
@@ -2360,16 +2361,17 @@ typedef void (*linear_tile_fn)(const float *, int64_t, const float *, int64_t, i
 static const linear_tile_fn LINEAR_FULL[5] = {0, linear_tile_1_6, linear_tile_2_6, linear_tile_3_6, linear_tile_4_6};
 static const linear_tile_fn LINEAR_ONE[5] = {0, linear_tile_1_1, linear_tile_2_1, linear_tile_3_1, linear_tile_4_1};
 
-/* Rows by a row-major float32 weight (w[k * sk + n], input dim first: GPT-OSS's experts), 4 rows or more (a
-   prefill's experts): a tile of 8 rows by 3 vectors of columns keeps 24 sums in registers, each weight vector loaded
-   once for 8 rows and each x value broadcast once for 3 vectors. K goes in blocks of BLOCKED_KC: a tile's sums stay
-   in registers over a whole block (they live in `out` between blocks), and a block's panel of the weight (BLOCKED_KC
-   x 48 columns, 48 KiB) serves every row tile from L2. Measured on the AMD EPYC (AVX-512), one thread, 64 / 128 /
-   256 rows by a 2048 x 768 weight: 95 / 102 / 104 GFLOP/s, where torch's matmul (sgemm) ran 85 / 89 / 97 and the
-   loop before this one (4 rows by 6 vectors, its sums in `out` every 16 weight rows) 61 / 64 / 65. */
+/* Rows by a row-major float32 weight (w[k * sk + n], input dim first: GPT-OSS's experts), BLOCKED_FROM rows or
+   more: a tile of 8 rows by 3 vectors of columns keeps 24 sums in registers, each weight vector loaded once for 8
+   rows and each x value broadcast once for 3 vectors. K goes in blocks of BLOCKED_KC: a tile's sums stay in
+   registers over a whole block (they live in `out` between blocks), a block's panel of the weight (BLOCKED_KC x 48
+   columns, 48 KiB) serves every row tile from L2, and the first row tile fetches the next panel on its way. Measured
+   on the AMD EPYC (AVX-512), one thread, 4 experts' groups by a 2048 x 768 weight, 16 / 64 / 256 rows: 99 / 105 /
+   108 GFLOP/s, where torch's matmul (sgemm) ran 50 / 80 / 97; 8 experts of 4-16 rows, four shapes: 35-99 where the
+   loop before this one (4 rows by 6 vectors, its sums in `out` every 16 weight rows) ran 23-53. */
 #define BLOCKED_KC 256
-#define BLOCKED_FROM 2          /* rows from which row-major float32 weights go to the blocked loop (1: by_weight_rows) */
-#define PACKED_FROM WIDE_ROWS   /* rows past which column-major ones go to it on packed blocks (else the dense loop) */
+#define BLOCKED_FROM 2  /* rows from which row-major float32 weights go to the blocked loop (1 row: by_weight_rows) */
+#define PACKED_FROM WIDE_ROWS  /* rows past which column-major ones go to it on packed blocks (else the dense loop) */
 #define PACKED_BLOCK (6 * LANES * BLOCKED_VECTORS)  /* a task's columns there: whole panels */
 #define BLOCKED_ROWS 8
 #define BLOCKED_VECTORS 3
@@ -2386,7 +2388,8 @@ static void blocked_tile_##RT##_##NV(const float *x, int64_t ldx, const float *w
                                      float *sums, int64_t lds, int first, int64_t ahead) {                       \
     lane_vector a[RT][NV];                                                                                       \
     for (int i = 0; i < RT; i++)                                                                                 \
-        for (int j = 0; j < NV; j++) a[i][j] = first ? (lane_vector){0} : *(lane_vector *)(sums + i * lds + LANES * j); \
+        for (int j = 0; j < NV; j++)                                                                             \
+            a[i][j] = first ? (lane_vector){0} : *(lane_vector *)(sums + i * lds + LANES * j);                  \
     for (int64_t k = 0; k < kc; k++) {                                                                           \
         lane_vector wv[NV];                                                                                      \
         for (int j = 0; j < NV; j++) wv[j] = *(const lane_vector *)(w + k * sk + LANES * j);                    \
@@ -2681,12 +2684,12 @@ static float *transposed_rows(const float *x, int64_t R, int64_t ldx, int64_t K)
 }
 
 /* Rows by a column-major float32 weight (w[n * sn + k], input dim contiguous: the (E, out, in) experts), more than
-   MAX_ROWS rows (a prefill's experts): each block of BLOCKED_KC inputs by 48 columns is copied into this thread's
-   buffer input-dim first (16 x 16 at a time, transposed in registers), then multiplied by every row tile through
-   blocked_tile, as by_weight_rows_blocked does in place; the copy costs a 48 KiB transposition per block, shared by
-   all the rows' tiles. Measured on the AMD EPYC (AVX-512), one thread, 32 experts of 2048 x 768 and 384 x 2048 (a
-   full-width Qwen3-MoE layer at TP=2): 32-256 rows ran 74-93 GFLOP/s in the dense loop's lanes and sgemm. Returns 0,
-   -1 where the buffer cannot be had. */
+   PACKED_FROM rows (a prefill's crowded experts): each block of BLOCKED_KC inputs by 48 columns is copied into this
+   thread's buffer input-dim first (16 x 16 at a time, transposed in registers, the next panel's weight rows fetched
+   on the way), then multiplied by every row tile through the blocked tiles, as by_weight_rows_blocked does in place.
+   Measured on the AMD EPYC (AVX-512), one thread, 32 experts of 128 rows: 97-99 GFLOP/s by a gate-up shard of 2048
+   inputs (768 or 1408 outputs), where sgemm ran 87-91; by a down shard of 384 or 704 inputs, about sgemm's rate (the
+   copy costs ~15% against the same tiles in place). Returns 0, -1 where the buffer cannot be had. */
 static int by_weight_columns_packed(const float *x, int64_t ldx, const float *w, int64_t sn, int64_t K, int64_t rows,
                                     int64_t nb, float *out, int64_t ldo) {
     const int64_t width = LANES * BLOCKED_VECTORS, lanes = nb / LANES * LANES;
@@ -2699,7 +2702,8 @@ static int by_weight_columns_packed(const float *x, int64_t ldx, const float *w,
         for (int64_t n0 = 0; n0 < lanes; n0 += width) {
             const int64_t vectors = (lanes - n0) / LANES < BLOCKED_VECTORS ? (lanes - n0) / LANES : BLOCKED_VECTORS;
             const int64_t ahead = n0 + 2 * width <= nb ? width * sn : 0;  /* the next panel's weight rows */
-            for (int64_t v = 0; v < vectors; v++) {  /* panel[k * width + 16 v + j] = w[(n0 + 16 v + j) * sn + k0 + k] */
+            /* panel[k * width + 16 v + j] = w[(n0 + 16 v + j) * sn + k0 + k] */
+            for (int64_t v = 0; v < vectors; v++) {
                 const float *wv = w + (n0 + v * LANES) * sn + k0;
                 for (int64_t k = 0; k < whole; k += LANES) {
                     lane_vector t[LANES];
