@@ -38,7 +38,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'qwen3_vl_moe', 'moe_classes': ['Qwen3VLMoeTextSparseMoeBlock'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_halves_cols', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'expert_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': [], 'routers': ['gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': ['visual'], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_qwen3_vl_moe'
-RUNTIME_SHA256 = '65682b9631ee5e3a005b3d63463e4460891e53824c08edefd10754d4647582be'
+RUNTIME_SHA256 = '8ccb092800946912b122b6eab905eb1901b775b4232f9831ccdc72f6f6351e3f'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -2075,10 +2075,11 @@ int64_t codegen_grouped_mm(const float *x, int64_t S, int64_t ldx, const void *w
         if (end > last) last = end;
     }
     for (int64_t r = last; r < S; r++) memset(out + r * ldo, 0, N * sizeof(float));
-    /* columns per task: for row-major weights, as many as the most rows' accumulators allow (TILED_BLOCK once
+    /* columns per task: for row-major weights, as many as the most rows' accumulators allow (BLOCKED_COLUMNS once
        float32 rows go to the blocked loop), whole panels of the packed loop, or a fixed share */
-    const int tiled = sn == 1 && !wbf16 && most >= BLOCKED_FROM, packed = sn != 1 && !wbf16 && most > PACKED_FROM;
-    int64_t block = tiled ? TILED_BLOCK : packed ? PACKED_BLOCK : sn == 1 ? (ACC_FLOATS / most) / 16 * 16 : 256;
+    const int blocked = sn == 1 && !wbf16 && most >= BLOCKED_FROM, packed = sn != 1 && !wbf16 && most > PACKED_FROM;
+    int64_t block = blocked ? BLOCKED_COLUMNS : packed ? PACKED_COLUMNS
+                  : sn == 1 ? (ACC_FLOATS / most) / 16 * 16 : 256;
     if (block < MIN_BLOCK) block = MIN_BLOCK;
     const int64_t blocks = (N + block - 1) / block, tasks = nsmall * blocks;
     int failed = 0;
@@ -2110,19 +2111,6 @@ int64_t codegen_grouped_mm(const float *x, int64_t S, int64_t ldx, const void *w
 """
 
 _FUSED = r"""
-/* BLAS's sgemm (Fortran interface, column-major), the one torch's CPU matmul calls: its address comes from the caller */
-typedef void (*sgemm_fn)(const char *, const char *, const int *, const int *, const int *, const float *,
-                         const float *, const int *, const float *, const int *, const float *, float *, const int *);
-
-/* c (rows x N, ldc) = a (rows x K, lda) @ b, b (K x N) with element strides (sk, sn), one of them 1: as sgemm sees
-   it, c^T = b^T a^T */
-static void matmul_by_blas(sgemm_fn sgemm, const float *a, int64_t lda, const float *b, int64_t sk, int64_t sn,
-                           int64_t K, int64_t N, int64_t rows, float *c, int64_t ldc) {
-    const int m = (int)N, n = (int)rows, k = (int)K, ldb = (int)lda, ldcc = (int)ldc, ldw = (int)(sn == 1 ? sk : sn);
-    const float one = 1.f, zero = 0.f;
-    sgemm(sn == 1 ? "N" : "T", "N", &m, &n, &k, &one, b, &ldw, a, &ldb, &zero, c, &ldcc);
-}
-
 /* the gates the fused experts apply to [gate, up] (codegen.policy.runtime.base GATE_*) */
 #define GATE_SILU 0          /* silu(gate) * up, gate the first half of the row and up the second */
 #define GATE_CLAMPED_SWIGLU 1 /* (min(max(up, -limit), limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit),
@@ -2369,14 +2357,14 @@ static const linear_tile_fn LINEAR_ONE[5] = {0, linear_tile_1_1, linear_tile_2_1
 #define BLOCKED_KC 256
 #define BLOCKED_FROM 2  /* rows from which row-major float32 weights go to the blocked loop (1 row: by_weight_rows) */
 #define PACKED_FROM WIDE_ROWS  /* rows past which column-major ones go to it on packed blocks (else the dense loop) */
-#define PACKED_BLOCK (6 * LANES * BLOCKED_VECTORS)  /* a task's columns there: whole panels */
+#define PACKED_COLUMNS (6 * LANES * BLOCKED_VECTORS)  /* a task's columns there: whole panels */
 #define BLOCKED_ROWS 8
 #define BLOCKED_VECTORS 3
 /* a task's columns when some expert takes the blocked path: a multiple of the tile's width, and at most what the
-   accumulators of by_weight_rows hold for the 3 rows it still takes */
-#define TILED_BLOCK (28 * LANES * BLOCKED_VECTORS)
-#if 3 * TILED_BLOCK > ACC_FLOATS
-#error "by_weight_rows must hold 3 rows of TILED_BLOCK columns"
+   accumulators of by_weight_rows hold for the rows it still takes */
+#define BLOCKED_COLUMNS (28 * LANES * BLOCKED_VECTORS)
+#if (BLOCKED_FROM - 1) * BLOCKED_COLUMNS > ACC_FLOATS
+#error "by_weight_rows must hold the rows it still takes of BLOCKED_COLUMNS columns"
 #endif
 
 /* sums (RT x NV vectors, lds apart) = (first ? 0 : sums) + x (RT rows, ldx) @ w (kc rows, sk apart) */
@@ -2413,6 +2401,26 @@ static const blocked_tile_fn BLOCKED_ONE[BLOCKED_ROWS + 1] = {
     0, blocked_tile_1_1, blocked_tile_2_1, blocked_tile_3_1, blocked_tile_4_1, blocked_tile_5_1, blocked_tile_6_1,
     blocked_tile_7_1, blocked_tile_8_1};
 
+/* every row tile of one panel (the tiles of `tile`) over one block of kc inputs; the first tile fetches `ahead` on */
+static void panel_rows(const blocked_tile_fn *tile, const float *x, int64_t ldx, const float *w, int64_t sk,
+                       int64_t kc, int64_t rows, float *out, int64_t ldo, int first, int64_t ahead) {
+    for (int64_t r = 0; r < rows; r += BLOCKED_ROWS) {
+        const int64_t rt = rows - r < BLOCKED_ROWS ? rows - r : BLOCKED_ROWS;
+        tile[rt](x + r * ldx, ldx, w, sk, kc, out + r * ldo, ldo, first, r == 0 ? ahead : 0);
+    }
+}
+
+/* columns n0..n1 (those past the last whole vector) over one block of kc inputs, one by one: w[k * sk + n * sn] */
+static void tail_columns(const float *x, int64_t ldx, const float *w, int64_t sk, int64_t sn, int64_t kc,
+                         int64_t rows, int64_t n0, int64_t n1, float *out, int64_t ldo, int first) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t n = n0; n < n1; n++) {
+            float s = first ? 0.f : out[r * ldo + n];
+            for (int64_t k = 0; k < kc; k++) s += x[r * ldx + k] * w[k * sk + n * sn];
+            out[r * ldo + n] = s;
+        }
+}
+
 static void by_weight_rows_blocked(const float *x, int64_t ldx, const float *w, int64_t sk, int64_t K, int64_t rows,
                                    int64_t nb, float *out, int64_t ldo) {
     const int64_t width = LANES * BLOCKED_VECTORS, wide = nb / width * width, lanes = nb / LANES * LANES;
@@ -2421,22 +2429,10 @@ static void by_weight_rows_blocked(const float *x, int64_t ldx, const float *w, 
         const int first = k0 == 0;
         const float *xk = x + k0, *wk = w + k0 * sk;
         for (int64_t n0 = 0; n0 < wide; n0 += width)
-            for (int64_t r = 0; r < rows; r += BLOCKED_ROWS) {
-                const int64_t rt = rows - r < BLOCKED_ROWS ? rows - r : BLOCKED_ROWS;
-                BLOCKED_FULL[rt](xk + r * ldx, ldx, wk + n0, sk, kc, out + r * ldo + n0, ldo, first,
-                                 r == 0 && n0 + width < nb ? width : 0);
-            }
+            panel_rows(BLOCKED_FULL, xk, ldx, wk + n0, sk, kc, rows, out + n0, ldo, first, n0 + width < nb ? width : 0);
         for (int64_t n0 = wide; n0 < lanes; n0 += LANES)
-            for (int64_t r = 0; r < rows; r += BLOCKED_ROWS) {
-                const int64_t rt = rows - r < BLOCKED_ROWS ? rows - r : BLOCKED_ROWS;
-                BLOCKED_ONE[rt](xk + r * ldx, ldx, wk + n0, sk, kc, out + r * ldo + n0, ldo, first, 0);
-            }
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t n = lanes; n < nb; n++) {
-                float s = first ? 0.f : out[r * ldo + n];
-                for (int64_t k = 0; k < kc; k++) s += xk[r * ldx + k] * wk[k * sk + n];
-                out[r * ldo + n] = s;
-            }
+            panel_rows(BLOCKED_ONE, xk, ldx, wk + n0, sk, kc, rows, out + n0, ldo, first, 0);
+        tail_columns(xk, ldx, wk, sk, 1, kc, rows, lanes, nb, out, ldo, first);
     }
 }
 
@@ -2712,20 +2708,14 @@ static int by_weight_columns_packed(const float *x, int64_t ldx, const float *w,
                 for (int64_t k = whole; k < kc; k++)
                     for (int j = 0; j < LANES; j++) panel[k * width + v * LANES + j] = wv[j * sn + k];
             }
-            const blocked_tile_fn *tile = vectors == BLOCKED_VECTORS ? BLOCKED_FULL : BLOCKED_ONE;
-            for (int64_t v = 0; v < (vectors == BLOCKED_VECTORS ? 1 : vectors); v++)
-                for (int64_t r = 0; r < rows; r += BLOCKED_ROWS) {
-                    const int64_t rt = rows - r < BLOCKED_ROWS ? rows - r : BLOCKED_ROWS;
-                    tile[rt](xk + r * ldx, ldx, panel + v * LANES, width, kc, out + r * ldo + n0 + v * LANES, ldo,
-                             first, 0);
-                }
+            if (vectors == BLOCKED_VECTORS)
+                panel_rows(BLOCKED_FULL, xk, ldx, panel, width, kc, rows, out + n0, ldo, first, 0);
+            else
+                for (int64_t v = 0; v < vectors; v++)
+                    panel_rows(BLOCKED_ONE, xk, ldx, panel + v * LANES, width, kc, rows, out + n0 + v * LANES, ldo,
+                               first, 0);
         }
-        for (int64_t r = 0; r < rows; r++)  /* the columns past the last whole vector */
-            for (int64_t n = lanes; n < nb; n++) {
-                float s = first ? 0.f : out[r * ldo + n];
-                for (int64_t k = 0; k < kc; k++) s += xk[r * ldx + k] * w[n * sn + k0 + k];
-                out[r * ldo + n] = s;
-            }
+        tail_columns(xk, ldx, w + k0, 1, sn, kc, rows, lanes, nb, out, ldo, first);
     }
     return 0;
 }
@@ -2902,6 +2892,19 @@ int64_t codegen_decode_attention(const float *q, int64_t B, int64_t Hq, int64_t 
 """
 
 _PREFILL_ATTENTION = r"""
+/* BLAS's sgemm (Fortran interface, column-major), the one torch's CPU matmul calls: its address comes from the caller */
+typedef void (*sgemm_fn)(const char *, const char *, const int *, const int *, const int *, const float *,
+                         const float *, const int *, const float *, const int *, const float *, float *, const int *);
+
+/* c (rows x N, ldc) = a (rows x K, lda) @ b, b (K x N) with element strides (sk, sn), one of them 1: as sgemm sees
+   it, c^T = b^T a^T */
+static void matmul_by_blas(sgemm_fn sgemm, const float *a, int64_t lda, const float *b, int64_t sk, int64_t sn,
+                           int64_t K, int64_t N, int64_t rows, float *c, int64_t ldc) {
+    const int m = (int)N, n = (int)rows, k = (int)K, ldb = (int)lda, ldcc = (int)ldc, ldw = (int)(sn == 1 ? sk : sn);
+    const float one = 1.f, zero = 0.f;
+    sgemm(sn == 1 ? "N" : "T", "N", &m, &n, &k, &one, b, &ldw, a, &ldb, &zero, c, &ldcc);
+}
+
 #define PREFILL_ROWS 32  /* query rows per task: their scores (rows x keys) stay in L2, and a causal mask lets a block
                             skip the keys every row of it masks */
 
