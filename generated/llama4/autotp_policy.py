@@ -41,7 +41,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'llama4', 'moe_classes': ['Llama4TextMoe'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_halves_cols', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'expert_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': ['shared_expert'], 'routers': ['router'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': ['vision_model', 'multi_modal_projector'], 'name_clashes': [], 'moe_block_attrs': ['feed_forward'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'intermediate_size', 'intermediate_size_mlp'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_llama4'
-RUNTIME_SHA256 = '8ccb092800946912b122b6eab905eb1901b775b4232f9831ccdc72f6f6351e3f'
+RUNTIME_SHA256 = '273e1eaaa081f2bed8f67447a467581d1afc39f0362587a7f0635b424cf366a3'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -1851,15 +1851,16 @@ its memory order; bfloat16 experts with more rows (prefill) are left to torch's 
 below. Measured (toy Qwen3-MoE widths, batch 16, its 4 layers' experts, float32, one thread): 7.4 ms against 20.3 ms
 with torch's matmul per expert, 6.9 ms to only read the weights; its compiled decode step on 2 ranks went from 28 to
 17 ms. Weights stored row-major (input
-dim first, as GPT-OSS keeps them) are applied four weight rows at a time to accumulators that stay in L1, a task
-spanning as many columns as those fit, so the weight streams in long runs: on an Intel Xeon (AVX-512), one thread,
-GPT-OSS-20b's experts at TP=2 widths went from 8.7 to 14.2 GB/s at batch 1 and from 6.4 to 10.0 at batch 16 (torch
-reads 11-12 GB/s there); in float32, experts with 2 rows or more go to a blocked loop instead (8 rows by 48
-columns in registers, `by_weight_rows_blocked`), which outruns BLAS's sgemm at every row count measured. float32
-weights stored column-major (output dim first, the (E, out, in) experts) go through the dense loop below up to 64
-rows, expert by expert (scripts/experts_kernel_bench.py at the published widths, decode steps: 0.94-1.17x torch's
-matmul per expert, where the column loop before it was 0.76-1.01x), and past 64 rows through the blocked loop on
-blocks of the weight copied input-dim first (`by_weight_columns_packed`). bfloat16
+dim first, as GPT-OSS keeps them and as the fused experts store every float32 expert) are applied, up to 4 rows,
+four weight rows at a time to sums that stay in L1, so the weight streams in long runs (`by_weight_rows_streamed`;
+bfloat16 ones of any rows so too: on an Intel Xeon (AVX-512), one thread, GPT-OSS-20b's experts at TP=2 widths went
+from 8.7 to 14.2 GB/s at batch 1 and from 6.4 to 10.0 at batch 16, where torch reads 11-12 GB/s); float32 experts
+with more rows go to a blocked loop (8 rows by 48 columns in registers, `by_weight_rows_blocked`), which outruns
+BLAS's sgemm at every row count measured. float32 weights stored column-major (output dim first, the (E, out, in)
+experts as transformers keeps them) go through the dense loop below up to 64 rows, expert by expert
+(scripts/experts_kernel_bench.py at the published widths, decode steps: 0.94-1.17x torch's matmul per expert, where
+the column loop before it was 0.76-1.01x), and past 64 rows through the blocked loop on blocks of the weight copied
+input-dim first (`by_weight_columns_packed`), as a long prompt's dense products are. bfloat16
 weights are read as they are and summed in float32 (the rows converted to float32 first): transformers runs
 `torch._grouped_mm` in bfloat16, whose CPU kernel visits every expert (the same script: this loop is 1.42-1.89x it
 at batch 1, 1.05-1.22x at batch 16).
@@ -1910,9 +1911,10 @@ SMALL_GROUP_ROWS = 16
 #: rows the dense loop (`linear_rows`) takes: a decode step's, and a short prompt's (its products are bound by the
 #: multiply-adds from 17 rows on, where torch's BLAS packs the weight on every call; measured)
 DENSE_KERNEL_ROWS = 64
-#: the least elements of a weight the dense loop takes more than SMALL_GROUP_ROWS rows by (4 MiB in float32): it
-#: wins where the weight streams from memory (17-64 rows, 256x2048 to 5632x2048: 1.1-1.6x torch's product), and BLAS's
-#: packing and microkernel win where it sits in cache, as a toy model's do (512x512 in cache: 0.7-1.0x)
+#: the least elements of a weight the kernel takes more than SMALL_GROUP_ROWS rows by (4 MiB in float32; past
+#: DENSE_KERNEL_ROWS rows through the blocked loop on packed blocks): it wins where the weight streams from memory
+#: (17-64 rows, 256x2048 to 5632x2048: 1.1-1.6x torch's product), and BLAS's packing and microkernel win where it sits
+#: in cache, as a toy model's do (512x512 in cache: 0.7-1.0x)
 DENSE_KERNEL_WIDE_WEIGHT = 1 << 20
 
 
@@ -2078,9 +2080,10 @@ int64_t codegen_grouped_mm(const float *x, int64_t S, int64_t ldx, const void *w
         if (end > last) last = end;
     }
     for (int64_t r = last; r < S; r++) memset(out + r * ldo, 0, N * sizeof(float));
-    /* columns per task: for row-major weights, as many as the most rows' accumulators allow (BLOCKED_COLUMNS once
-       float32 rows go to the blocked loop), whole panels of the packed loop, or a fixed share */
-    const int blocked = sn == 1 && !wbf16 && most >= BLOCKED_FROM, packed = sn != 1 && !wbf16 && most > PACKED_FROM;
+    /* columns per task: whole panels of the blocked loop for row-major float32 weights (the streamed loop's sums
+       are `out` itself), as many as the most rows' accumulators allow for bfloat16 ones, whole panels of the packed
+       loop, or a fixed share */
+    const int blocked = sn == 1 && !wbf16, packed = sn != 1 && !wbf16 && most > PACKED_FROM;
     int64_t block = blocked ? BLOCKED_COLUMNS : packed ? PACKED_COLUMNS
                   : sn == 1 ? (ACC_FLOATS / most) / 16 * 16 : 256;
     if (block < MIN_BLOCK) block = MIN_BLOCK;
@@ -2104,8 +2107,8 @@ int64_t codegen_grouped_mm(const float *x, int64_t S, int64_t ldx, const void *w
             if (sn != 1 && rows > PACKED_FROM)
                 failed |= by_weight_columns_packed(xg, ldx, we, sn, K, rows, nb, og, ldo);
             else if (sn != 1) failed |= linear_rows_span(xg, rows, ldx, we, sn, K, 0, nb, NULL, og, ldo);
-            else if (rows >= BLOCKED_FROM) by_weight_rows_blocked(xg, ldx, we, sk, K, rows, nb, og, ldo);
-            else by_weight_rows_f32(xg, ldx, we, sk, K, rows, nb, og, ldo);
+            else if (rows > STREAMED_ROWS) by_weight_rows_blocked(xg, ldx, we, sk, K, rows, nb, og, ldo);
+            else by_weight_rows_streamed(xg, ldx, we, sk, K, rows, nb, og, ldo);
         }
     }
     free(small);
@@ -2349,26 +2352,21 @@ typedef void (*linear_tile_fn)(const float *, int64_t, const float *, int64_t, i
 static const linear_tile_fn LINEAR_FULL[5] = {0, linear_tile_1_6, linear_tile_2_6, linear_tile_3_6, linear_tile_4_6};
 static const linear_tile_fn LINEAR_ONE[5] = {0, linear_tile_1_1, linear_tile_2_1, linear_tile_3_1, linear_tile_4_1};
 
-/* Rows by a row-major float32 weight (w[k * sk + n], input dim first: GPT-OSS's experts), BLOCKED_FROM rows or
-   more: a tile of 8 rows by 3 vectors of columns keeps 24 sums in registers, each weight vector loaded once for 8
-   rows and each x value broadcast once for 3 vectors. K goes in blocks of BLOCKED_KC: a tile's sums stay in
-   registers over a whole block (they live in `out` between blocks), a block's panel of the weight (BLOCKED_KC x 48
-   columns, 48 KiB) serves every row tile from L2, and the first row tile fetches the next panel on its way. Measured
-   on the AMD EPYC (AVX-512), one thread, 4 experts' groups by a 2048 x 768 weight, 16 / 64 / 256 rows: 99 / 105 /
-   108 GFLOP/s, where torch's matmul (sgemm) ran 50 / 80 / 97; 8 experts of 4-16 rows, four shapes: 35-99 where the
-   loop before this one (4 rows by 6 vectors, its sums in `out` every 16 weight rows) ran 23-53. */
+/* Rows by a row-major float32 weight (w[k * sk + n], input dim first: the experts as the fused experts store them),
+   more than STREAMED_ROWS: a tile of 8 rows by 3 vectors of columns keeps 24 sums in registers, each weight vector
+   loaded once for 8 rows and each x value broadcast once for 3 vectors. K goes in blocks of BLOCKED_KC: a tile's
+   sums stay in registers over a whole block (they live in `out` between blocks), a block's panel of the weight
+   (BLOCKED_KC x 48 columns, 48 KiB) serves every row tile from L2, and the first row tile fetches the next panel on
+   its way. Measured on the AMD EPYC (AVX-512), one thread, 4 experts' groups by a 2048 x 768 weight, 16 / 64 / 256
+   rows: 99 / 105 / 108 GFLOP/s, where torch's matmul (sgemm) ran 50 / 80 / 97; 8 experts of 4-16 rows, four shapes:
+   35-99 where the loop before this one (4 rows by 6 vectors, its sums in `out` every 16 weight rows) ran 23-53. */
 #define BLOCKED_KC 256
-#define BLOCKED_FROM 2  /* rows from which row-major float32 weights go to the blocked loop (1 row: by_weight_rows) */
 #define PACKED_FROM WIDE_ROWS  /* rows past which column-major ones go to it on packed blocks (else the dense loop) */
 #define PACKED_COLUMNS (6 * LANES * BLOCKED_VECTORS)  /* a task's columns there: whole panels */
 #define BLOCKED_ROWS 8
 #define BLOCKED_VECTORS 3
-/* a task's columns when some expert takes the blocked path: a multiple of the tile's width, and at most what the
-   accumulators of by_weight_rows hold for the rows it still takes */
+/* a task's columns by a row-major float32 weight: a multiple of the tile's width */
 #define BLOCKED_COLUMNS (28 * LANES * BLOCKED_VECTORS)
-#if (BLOCKED_FROM - 1) * BLOCKED_COLUMNS > ACC_FLOATS
-#error "by_weight_rows must hold the rows it still takes of BLOCKED_COLUMNS columns"
-#endif
 
 /* sums (RT x NV vectors, lds apart) = (first ? 0 : sums) + x (RT rows, ldx) @ w (kc rows, sk apart) */
 #define BLOCKED_TILE(RT, NV)                                                                                     \
@@ -2437,6 +2435,49 @@ static void by_weight_rows_blocked(const float *x, int64_t ldx, const float *w, 
             panel_rows(BLOCKED_ONE, xk, ldx, wk + n0, sk, kc, rows, out + n0, ldo, first, 0);
         tail_columns(xk, ldx, wk, sk, 1, kc, rows, lanes, nb, out, ldo, first);
     }
+}
+
+/* Up to STREAMED_ROWS rows (a decode step's experts) by a row-major float32 weight: four weight rows at a time,
+   their columns in one pass, each weight vector loaded once for every row and added into the rows' sums in `out`
+   (in L1); the weight rows STREAMED_AHEAD rows on are fetched into L2 on the way, which the hardware's own prefetch
+   does not keep up with here. Measured on the AMD EPYC (AVX-512), one thread, 128 experts of one row, weights from
+   memory, before (the blocked loop's four-rows-at-a-time predecessor) / after: a 2048 x 768 shard 13.7-15.3 ->
+   16.2-19.8 GB/s, 384 x 2048 19.3-19.5 -> 19.1-23.0 (the column-major layout's dense loop: 21.6-24.1 and
+   15.4-16.4). */
+#define STREAMED_ROWS 4
+#define STREAMED_AHEAD 16
+static void by_weight_rows_streamed(const float *x, int64_t ldx, const float *w, int64_t sk, int64_t K,
+                                    int64_t rows, int64_t nb, float *out, int64_t ldo) {
+    const int64_t lanes = nb / LANES * LANES, ahead = STREAMED_AHEAD * sk;
+    for (int64_t r = 0; r < rows; r++) memset(out + r * ldo, 0, nb * sizeof(float));
+    int64_t k = 0;
+    for (; k + 4 <= K; k += 4) {
+        const float *w0 = w + k * sk, *w1 = w0 + sk, *w2 = w1 + sk, *w3 = w2 + sk;
+        const int fetch = k + STREAMED_AHEAD + 4 <= K;
+        lane_vector xb[STREAMED_ROWS][4];
+        for (int64_t r = 0; r < rows; r++)
+            for (int i = 0; i < 4; i++) xb[r][i] = (lane_vector){0} + x[r * ldx + k + i];
+        for (int64_t n = 0; n < lanes; n += LANES) {
+            const lane_vector v0 = *(const lane_vector *)(w0 + n), v1 = *(const lane_vector *)(w1 + n);
+            const lane_vector v2 = *(const lane_vector *)(w2 + n), v3 = *(const lane_vector *)(w3 + n);
+            if (fetch) {
+                __builtin_prefetch(w0 + ahead + n, 0, 2); __builtin_prefetch(w1 + ahead + n, 0, 2);
+                __builtin_prefetch(w2 + ahead + n, 0, 2); __builtin_prefetch(w3 + ahead + n, 0, 2);
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                lane_vector *o = (lane_vector *)(out + r * ldo + n);
+                *o += xb[r][0] * v0 + xb[r][1] * v1 + xb[r][2] * v2 + xb[r][3] * v3;
+            }
+        }
+        for (int64_t n = lanes; n < nb; n++)
+            for (int64_t r = 0; r < rows; r++) {
+                const float *xr = x + r * ldx + k;
+                out[r * ldo + n] += xr[0] * w0[n] + xr[1] * w1[n] + xr[2] * w2[n] + xr[3] * w3[n];
+            }
+    }
+    for (; k < K; k++)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t n = 0; n < nb; n++) out[r * ldo + n] += x[r * ldx + k] * w[k * sk + n];
 }
 
 /* out (R x n1 - n0, ldo) = x (R x K, ldx) @ (w's rows n0..n1)^T + bias[n0..n1] (or none), w (N x K, ldw), one
@@ -2987,7 +3028,7 @@ def _task_for(task: str, suffix: str, weight: str, load: str) -> str:
 
 _BF16 = ("bf16", "uint16_t", "f32_of_bf16")
 #: the kernel's C source: float32 and bfloat16 weights, float32 rows and sums
-GROUPED_MM_SOURCE = (_HEAD + _task_for(_ROWS_TASK, "f32", "float", "") + _task_for(_ROWS_TASK, *_BF16)
+GROUPED_MM_SOURCE = (_HEAD + _task_for(_ROWS_TASK, *_BF16)
                      + _task_for(_COLUMNS_TASK, *_BF16) + _LINEAR + _ATTENTION + _ENTRY + _FUSED
                      + _PREFILL_ATTENTION)
 #: the gates the fused experts compute, by their code in the C source (GATE_SILU, GATE_CLAMPED_SWIGLU there)
@@ -3211,17 +3252,20 @@ def _matmul_per_expert(input, weight, offs, output, more_than=0):
 
 
 def linear_rows(input, weight, bias=None):
-    """`input @ weight.T + bias` (nn.Linear's product), a decode step's or a short prompt's rows through the
-    kernel's dense loop: float32 on CPU, `weight` (out, in) with `in` contiguous, 1..`SMALL_GROUP_ROWS` rows (up to
-    `DENSE_KERNEL_ROWS` by a weight of `DENSE_KERNEL_WIDE_WEIGHT` elements or more); any other call is torch's own
-    (a long prompt's rows are many, and BLAS's packing of the weight pays off over them).
+    """`input @ weight.T + bias` (nn.Linear's product) through the kernel, float32 on CPU, `weight` (out, in) with `in`
+    contiguous: a decode step's or a short prompt's rows through its dense loop, 1..`SMALL_GROUP_ROWS` rows (up to
+    `DENSE_KERNEL_ROWS` by a weight of `DENSE_KERNEL_WIDE_WEIGHT` elements or more); a longer prompt's rows by such a
+    weight through the blocked loop on packed blocks (`by_weight_columns_packed`, the weight as one expert), which
+    outruns torch's BLAS there (AMD EPYC, AVX-512, one thread, 128 and 1024 rows by 2048-2880-input weights: 88-102
+    GFLOP/s against 65-91); any other call is torch's own (a small weight sits in cache, where BLAS's packing wins).
     It runs for every dense product of a decode step, so its checks are plain attribute reads (a call costs about
     what `F.linear`'s dispatch does)."""
     width, f32 = input.shape[-1], torch.float32
     rows = input.numel() // width if width else 0
-    most = DENSE_KERNEL_ROWS if weight.numel() >= DENSE_KERNEL_WIDE_WEIGHT else SMALL_GROUP_ROWS
-    takes = (1 <= rows <= most and input.is_cpu and weight.is_cpu and input.dtype is f32
-             and weight.dtype is f32 and weight.dim() == 2 and weight.stride(1) == 1 and weight.shape[1] == width
+    wide = weight.numel() >= DENSE_KERNEL_WIDE_WEIGHT
+    takes = (1 <= rows and (wide or rows <= SMALL_GROUP_ROWS) and input.is_cpu and weight.is_cpu
+             and input.dtype is f32 and weight.dtype is f32 and weight.dim() == 2 and weight.stride(1) == 1
+             and weight.shape[1] == width
              and (bias is None or (bias.is_cpu and bias.dtype is f32 and bias.shape == weight.shape[:1])))
     kernel = grouped_mm_kernel() if takes else None
     if kernel is None:
@@ -3232,9 +3276,17 @@ def linear_rows(input, weight, bias=None):
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
     out = input.new_empty((*input.shape[:-1], weight.shape[0]))  # contiguous: its rows weight.shape[0] apart
-    status = kernel.linear(x.data_ptr(), rows, x.stride(0), weight.data_ptr(), weight.stride(0), width,
-                           weight.shape[0], None if bias is None else bias.data_ptr(), out.data_ptr(), weight.shape[0],
-                           torch.get_num_threads())
+    if rows > DENSE_KERNEL_ROWS:
+        ends = ctypes.c_int64(rows)
+        status = kernel(x.data_ptr(), rows, x.stride(0), weight.data_ptr(), 0, 0, 1, weight.stride(0),
+                        ctypes.addressof(ends), 1, 1, width, weight.shape[0], out.data_ptr(), weight.shape[0],
+                        torch.get_num_threads())
+        if status == 0 and bias is not None:
+            out += bias
+    else:
+        status = kernel.linear(x.data_ptr(), rows, x.stride(0), weight.data_ptr(), weight.stride(0), width,
+                               weight.shape[0], None if bias is None else bias.data_ptr(), out.data_ptr(),
+                               weight.shape[0], torch.get_num_threads())
     if status != 0:
         return torch.nn.functional.linear(input, weight, bias)
     return out
@@ -3338,24 +3390,21 @@ def fused_call(experts, fused):
     return (*names, fused.get("gate", GATE_SILU), *(params + (0.0, 0.0))[:2])
 
 
-#: the input width from which an expert weight kept input-dim first is stored `in` contiguous (input_dim_contiguous):
-#: the dense loop's dot products then pay for their final sums; measured (GPT-OSS's shapes, one thread): 512 and
-#: wider gain, 64 (a toy shard's down projection) loses 10%
-INPUT_CONTIGUOUS_FROM = 256
-
-
 @torch.no_grad()
-def input_dim_contiguous(experts, names):
-    """Store an experts module's weights kept input-dim first ((E, in, out), `out` contiguous: GPT-OSS's) with `in`
-    contiguous instead, same shape, same Parameters: the op's dense loop streams each output's weights in one run,
-    where the input-dim-first loop reads them at 8-11 GB/s against 12-16 (a 64-token prefill's layer of gpt-oss-20b's
-    TP=2 shard, one thread: 197 -> 136 ms; a batch-16 decode step's, 122 -> 84). One weight at a time is copied."""
-    if not experts.is_transposed:  # (E, out, in) as transformers keeps it: `in` is contiguous already
-        return
+def output_dim_contiguous(experts, names):
+    """Store an experts module's float32 weights with the output dim contiguous, same shape, same Parameters (the
+    op's (E, in, out) row-major): a prefill's products run the kernel's blocked loop in place, where the (E, out,
+    in) layout transformers keeps runs a few rows per expert in the dense loop's lanes or copies blocks first, and a
+    decode step's stream four weight rows at a time. One MoE layer of a TP=2 shard at the bench's full widths, one
+    thread, the model's own routing (AMD EPYC, AVX-512), `in` -> `out` contiguous: Qwen3-MoE, a 16 x 64-token prefill
+    924-1017 -> 760-775 ms, 64 tokens 109-123 -> 88-94 ms, decode steps within the runs' spread. One weight at a
+    time is copied; GPT-OSS's, kept input-dim first, are stored so already."""
     for name in names:
         weight = getattr(experts, name)
-        if weight.stride(1) != 1 and weight.shape[1] >= INPUT_CONTIGUOUS_FROM:
-            weight.data = weight.data.transpose(1, 2).contiguous().transpose(1, 2)
+        op_view = weight.data if experts.is_transposed else weight.data.transpose(1, 2)  # (E, in, out)
+        if op_view.stride(2) != 1:
+            stored = op_view.contiguous()
+            weight.data = stored if experts.is_transposed else stored.transpose(1, 2)
 
 
 def use_fused_experts(blocks, layout):
@@ -3395,7 +3444,7 @@ def use_fused_experts(blocks, layout):
     for module, call in calls:
         if call:
             setattr(module, FUSED_ATTR, call)
-            input_dim_contiguous(module, call[:2])
+            output_dim_contiguous(module, call[:2])
     for config in {id(m.config): m.config for m in experts}.values():
         config._experts_implementation = IMPLEMENTATION
     return None

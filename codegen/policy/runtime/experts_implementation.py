@@ -97,24 +97,21 @@ def fused_call(experts, fused):
     return (*names, fused.get("gate", GATE_SILU), *(params + (0.0, 0.0))[:2])
 
 
-#: the input width from which an expert weight kept input-dim first is stored `in` contiguous (input_dim_contiguous):
-#: the dense loop's dot products then pay for their final sums; measured (GPT-OSS's shapes, one thread): 512 and
-#: wider gain, 64 (a toy shard's down projection) loses 10%
-INPUT_CONTIGUOUS_FROM = 256
-
-
 @torch.no_grad()
-def input_dim_contiguous(experts, names):
-    """Store an experts module's weights kept input-dim first ((E, in, out), `out` contiguous: GPT-OSS's) with `in`
-    contiguous instead, same shape, same Parameters: the op's dense loop streams each output's weights in one run,
-    where the input-dim-first loop reads them at 8-11 GB/s against 12-16 (a 64-token prefill's layer of gpt-oss-20b's
-    TP=2 shard, one thread: 197 -> 136 ms; a batch-16 decode step's, 122 -> 84). One weight at a time is copied."""
-    if not experts.is_transposed:  # (E, out, in) as transformers keeps it: `in` is contiguous already
-        return
+def output_dim_contiguous(experts, names):
+    """Store an experts module's float32 weights with the output dim contiguous, same shape, same Parameters (the
+    op's (E, in, out) row-major): a prefill's products run the kernel's blocked loop in place, where the (E, out,
+    in) layout transformers keeps runs a few rows per expert in the dense loop's lanes or copies blocks first, and a
+    decode step's stream four weight rows at a time. One MoE layer of a TP=2 shard at the bench's full widths, one
+    thread, the model's own routing (AMD EPYC, AVX-512), `in` -> `out` contiguous: Qwen3-MoE, a 16 x 64-token prefill
+    924-1017 -> 760-775 ms, 64 tokens 109-123 -> 88-94 ms, decode steps within the runs' spread. One weight at a
+    time is copied; GPT-OSS's, kept input-dim first, are stored so already."""
     for name in names:
         weight = getattr(experts, name)
-        if weight.stride(1) != 1 and weight.shape[1] >= INPUT_CONTIGUOUS_FROM:
-            weight.data = weight.data.transpose(1, 2).contiguous().transpose(1, 2)
+        op_view = weight.data if experts.is_transposed else weight.data.transpose(1, 2)  # (E, in, out)
+        if op_view.stride(2) != 1:
+            stored = op_view.contiguous()
+            weight.data = stored if experts.is_transposed else stored.transpose(1, 2)
 
 
 def use_fused_experts(blocks, layout):
@@ -154,7 +151,7 @@ def use_fused_experts(blocks, layout):
     for module, call in calls:
         if call:
             setattr(module, FUSED_ATTR, call)
-            input_dim_contiguous(module, call[:2])
+            output_dim_contiguous(module, call[:2])
     for config in {id(m.config): m.config for m in experts}.values():
         config._experts_implementation = IMPLEMENTATION
     return None
