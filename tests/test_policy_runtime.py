@@ -1963,9 +1963,14 @@ def test_the_experts_kernel_is_torchs_matmul_per_expert(layout, offs_dtype, thre
     torch.set_num_threads(threads)
     try:
         got = rt.experts_grouped_mm(rows, weight, ends)
+        # one expert alone (a prefill's): its columns split among the threads a share of whole panels each
+        alone_ends = torch.tensor([65], dtype=offs_dtype)
+        alone = rt.experts_grouped_mm(rows[:65], weight[:1], alone_ends)
     finally:
         torch.set_num_threads(before)
     assert got.dtype == dtype
+    alone_want = _grouped_reference(rows[:65].float(), weight[:1].float(), alone_ends)
+    assert torch.allclose(alone.float(), alone_want, atol=1e-4 if dtype == torch.float32 else 1e-1, rtol=2 ** -8)
     want = _grouped_reference(rows.float(), weight.float(), ends)
     if dtype == torch.float32:
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-5), (got - want).abs().max()

@@ -43,7 +43,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'glm5_next', 'moe_classes': ['Glm5NextTextMoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': ['q_a_proj', 'kv_a_proj_with_mqa', 'indexer'], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': ['visual'], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size'], 'linear_attention': None, 'whole_modules': ['Glm5NextTextLinearAttention'], 'latent_attention': {'expand': 'expand_kv', 'up_projection': 'kv_b_proj', 'nope_width': 'qk_nope_head_dim', 'value_width': 'v_head_dim', 'selected_keys': 'indices'}}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_glm5_next'
-RUNTIME_SHA256 = '273e1eaaa081f2bed8f67447a467581d1afc39f0362587a7f0635b424cf366a3'
+RUNTIME_SHA256 = '420969526636a7053015e7171191c0ffac2596f85079e9518fe3f4d04564174c'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -2088,6 +2088,12 @@ int64_t codegen_grouped_mm(const float *x, int64_t S, int64_t ldx, const void *w
     const int blocked = sn == 1 && !wbf16, packed = sn != 1 && !wbf16 && most > PACKED_FROM;
     int64_t block = blocked ? BLOCKED_COLUMNS : packed ? PACKED_COLUMNS
                   : sn == 1 ? (ACC_FLOATS / most) / 16 * 16 : 256;
+    if (blocked && nsmall * ((N + block - 1) / block) < 2 * threads) {
+        /* too few tasks for the threads (an expert alone: a prefill's): a share of whole panels per thread */
+        const int64_t width = LANES * BLOCKED_VECTORS;
+        const int64_t share = ((N + threads - 1) / threads + width - 1) / width * width;
+        if (share < block) block = share < 2 * width ? 2 * width : share;
+    }
     if (block < MIN_BLOCK) block = MIN_BLOCK;
     const int64_t blocks = (N + block - 1) / block, tasks = nsmall * blocks;
     int failed = 0;

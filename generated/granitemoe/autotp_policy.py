@@ -37,7 +37,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'granitemoe', 'moe_classes': ['GraniteMoeMoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': [], 'routers': ['router'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['block_sparse_moe'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'intermediate_size'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_granitemoe'
-RUNTIME_SHA256 = '273e1eaaa081f2bed8f67447a467581d1afc39f0362587a7f0635b424cf366a3'
+RUNTIME_SHA256 = '420969526636a7053015e7171191c0ffac2596f85079e9518fe3f4d04564174c'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -2082,6 +2082,12 @@ int64_t codegen_grouped_mm(const float *x, int64_t S, int64_t ldx, const void *w
     const int blocked = sn == 1 && !wbf16, packed = sn != 1 && !wbf16 && most > PACKED_FROM;
     int64_t block = blocked ? BLOCKED_COLUMNS : packed ? PACKED_COLUMNS
                   : sn == 1 ? (ACC_FLOATS / most) / 16 * 16 : 256;
+    if (blocked && nsmall * ((N + block - 1) / block) < 2 * threads) {
+        /* too few tasks for the threads (an expert alone: a prefill's): a share of whole panels per thread */
+        const int64_t width = LANES * BLOCKED_VECTORS;
+        const int64_t share = ((N + threads - 1) / threads + width - 1) / width * width;
+        if (share < block) block = share < 2 * width ? 2 * width : share;
+    }
     if (block < MIN_BLOCK) block = MIN_BLOCK;
     const int64_t blocks = (N + block - 1) / block, tasks = nsmall * blocks;
     int failed = 0;

@@ -245,6 +245,12 @@ int64_t codegen_grouped_mm(const float *x, int64_t S, int64_t ldx, const void *w
     const int blocked = sn == 1 && !wbf16, packed = sn != 1 && !wbf16 && most > PACKED_FROM;
     int64_t block = blocked ? BLOCKED_COLUMNS : packed ? PACKED_COLUMNS
                   : sn == 1 ? (ACC_FLOATS / most) / 16 * 16 : 256;
+    if (blocked && nsmall * ((N + block - 1) / block) < 2 * threads) {
+        /* too few tasks for the threads (an expert alone: a prefill's): a share of whole panels per thread */
+        const int64_t width = LANES * BLOCKED_VECTORS;
+        const int64_t share = ((N + threads - 1) / threads + width - 1) / width * width;
+        if (share < block) block = share < 2 * width ? 2 * width : share;
+    }
     if (block < MIN_BLOCK) block = MIN_BLOCK;
     const int64_t blocks = (N + block - 1) / block, tasks = nsmall * blocks;
     int failed = 0;
