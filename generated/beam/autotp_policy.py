@@ -38,7 +38,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'beam', 'moe_classes': ['BeamMoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': [], 'routers': ['gate'], 'attention_replicated': [], 'attention_head_params': ['gate_bias'], 'full_width_norms': [], 'attention_head_linears': ['gate_proj'], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_beam'
-RUNTIME_SHA256 = '420969526636a7053015e7171191c0ffac2596f85079e9518fe3f4d04564174c'
+RUNTIME_SHA256 = '27034f0b7d794eb90101798859bdf5ceacc92bd901b2465ed921d96e18dbe65f'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -3400,8 +3400,9 @@ def output_dim_contiguous(experts, names):
     in) layout transformers keeps runs a few rows per expert in the dense loop's lanes or copies blocks first, and a
     decode step's stream four weight rows at a time. One MoE layer of a TP=2 shard at the bench's full widths, one
     thread, the model's own routing (AMD EPYC, AVX-512), `in` -> `out` contiguous: Qwen3-MoE, a 16 x 64-token prefill
-    924-1017 -> 760-775 ms, 64 tokens 109-123 -> 88-94 ms, decode steps within the runs' spread. One weight at a
-    time is copied; GPT-OSS's, kept input-dim first, are stored so already."""
+    1007-1042 -> 776-794 ms, 64 tokens 109 -> 95-96 ms, decode steps 0-10% slower (Qwen1.5-MoE's batch 1: 15%; the
+    four families' figures in docs/policy.md). One weight at a time is copied; GPT-OSS's, kept input-dim first, are
+    stored so already."""
     for name in names:
         weight = getattr(experts, name)
         op_view = weight.data if experts.is_transposed else weight.data.transpose(1, 2)  # (E, in, out)

@@ -104,8 +104,9 @@ def output_dim_contiguous(experts, names):
     in) layout transformers keeps runs a few rows per expert in the dense loop's lanes or copies blocks first, and a
     decode step's stream four weight rows at a time. One MoE layer of a TP=2 shard at the bench's full widths, one
     thread, the model's own routing (AMD EPYC, AVX-512), `in` -> `out` contiguous: Qwen3-MoE, a 16 x 64-token prefill
-    924-1017 -> 760-775 ms, 64 tokens 109-123 -> 88-94 ms, decode steps within the runs' spread. One weight at a
-    time is copied; GPT-OSS's, kept input-dim first, are stored so already."""
+    1007-1042 -> 776-794 ms, 64 tokens 109 -> 95-96 ms, decode steps 0-10% slower (Qwen1.5-MoE's batch 1: 15%; the
+    four families' figures in docs/policy.md). One weight at a time is copied; GPT-OSS's, kept input-dim first, are
+    stored so already."""
     for name in names:
         weight = getattr(experts, name)
         op_view = weight.data if experts.is_transposed else weight.data.transpose(1, 2)  # (E, in, out)
