@@ -42,7 +42,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'deepseek_v32', 'moe_classes': ['DeepseekV32MoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': ['q_a_proj', 'kv_a_proj_with_mqa', 'indexer'], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size'], 'linear_attention': None, 'latent_attention': {'expand': 'expand_kv', 'up_projection': 'kv_b_proj', 'nope_width': 'qk_nope_head_dim', 'value_width': 'v_head_dim', 'selected_keys': 'indices'}}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_deepseek_v32'
-RUNTIME_SHA256 = '27034f0b7d794eb90101798859bdf5ceacc92bd901b2465ed921d96e18dbe65f'
+RUNTIME_SHA256 = 'd8c7e259599fe6c1ed5cc927f0b0bec15d7b7ebf9c2595f6b21320dfbf6c76e9'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -2089,7 +2089,7 @@ int64_t codegen_grouped_mm(const float *x, int64_t S, int64_t ldx, const void *w
                   : sn == 1 ? (ACC_FLOATS / most) / 16 * 16 : 256;
     if (blocked && nsmall * ((N + block - 1) / block) < 2 * threads) {
         /* too few tasks for the threads (an expert alone: a prefill's): a share of whole panels per thread */
-        const int64_t width = LANES * BLOCKED_VECTORS;
+        const int64_t width = BLOCKED_WIDTH;
         const int64_t share = ((N + threads - 1) / threads + width - 1) / width * width;
         if (share < block) block = share < 2 * width ? 2 * width : share;
     }
@@ -2369,11 +2369,12 @@ static const linear_tile_fn LINEAR_ONE[5] = {0, linear_tile_1_1, linear_tile_2_1
    35-99 where the loop before this one (4 rows by 6 vectors, its sums in `out` every 16 weight rows) ran 23-53. */
 #define BLOCKED_KC 256
 #define PACKED_FROM WIDE_ROWS  /* rows past which column-major ones go to it on packed blocks (else the dense loop) */
-#define PACKED_COLUMNS (6 * LANES * BLOCKED_VECTORS)  /* a task's columns there: whole panels */
 #define BLOCKED_ROWS 8
 #define BLOCKED_VECTORS 3
+#define BLOCKED_WIDTH (LANES * BLOCKED_VECTORS)  /* a tile's (and a panel's) columns */
+#define PACKED_COLUMNS (6 * BLOCKED_WIDTH)  /* a task's columns there: whole panels */
 /* a task's columns by a row-major float32 weight: a multiple of the tile's width */
-#define BLOCKED_COLUMNS (28 * LANES * BLOCKED_VECTORS)
+#define BLOCKED_COLUMNS (28 * BLOCKED_WIDTH)
 
 /* sums (RT x NV vectors, lds apart) = (first ? 0 : sums) + x (RT rows, ldx) @ w (kc rows, sk apart) */
 #define BLOCKED_TILE(RT, NV)                                                                                     \
@@ -2431,7 +2432,7 @@ static void tail_columns(const float *x, int64_t ldx, const float *w, int64_t sk
 
 static void by_weight_rows_blocked(const float *x, int64_t ldx, const float *w, int64_t sk, int64_t K, int64_t rows,
                                    int64_t nb, float *out, int64_t ldo) {
-    const int64_t width = LANES * BLOCKED_VECTORS, wide = nb / width * width, lanes = nb / LANES * LANES;
+    const int64_t width = BLOCKED_WIDTH, wide = nb / width * width, lanes = nb / LANES * LANES;
     for (int64_t k0 = 0; k0 < K; k0 += BLOCKED_KC) {
         const int64_t kc = K - k0 < BLOCKED_KC ? K - k0 : BLOCKED_KC;
         const int first = k0 == 0;
@@ -2736,7 +2737,7 @@ static float *transposed_rows(const float *x, int64_t R, int64_t ldx, int64_t K)
    copy costs ~15% against the same tiles in place). Returns 0, -1 where the buffer cannot be had. */
 static int by_weight_columns_packed(const float *x, int64_t ldx, const float *w, int64_t sn, int64_t K, int64_t rows,
                                     int64_t nb, float *out, int64_t ldo) {
-    const int64_t width = LANES * BLOCKED_VECTORS, lanes = nb / LANES * LANES;
+    const int64_t width = BLOCKED_WIDTH, lanes = nb / LANES * LANES;
     float *panel = thread_buffer(2, BLOCKED_KC * width);
     if (!panel) return -1;
     for (int64_t k0 = 0; k0 < K; k0 += BLOCKED_KC) {
