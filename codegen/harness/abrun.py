@@ -4,6 +4,7 @@ every (family, batch) in one launch, and summarise each into a row (codegen.harn
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from codegen.errors import VerifyFailed
@@ -47,13 +48,14 @@ def families_of(kind: str) -> tuple[str, ...]:
 
 
 def run_ab(kind: str, families: tuple[str, ...], tp: int, device: str, root: Path, progress: Progress,
-           echo_patch: bool = False, dtype: str = "float32", groups: dict[str, tuple] | None = None
-           ) -> tuple[list[dict], list[dict], dict, dict]:
+           echo_patch: bool = False, dtype: str = "float32", groups: dict[str, tuple] | None = None,
+           after_launch: Callable[[tuple[str, ...]], None] | None = None) -> tuple[list[dict], list[dict], dict, dict]:
     """Build, patch and run the ab phase of every (family, batch) in one launch: (rows, rank records, dirs, the
     machine limits the launches measured: {"tp": ..., "single": ...}, codegen.harness.limits.summary).
 
     `groups` gives, per family, the interleaved groups of setups (default: all of the kind's setups
-    in one group); a family run in two groups gets one row, (b)'s figures from the first.
+    in one group); a family run in two groups gets one row, (b)'s figures from the first. `after_launch`: called
+    after each launch (then one per family, failed or not) with the families it ran.
     """
     from codegen.harness.examples import shape_of
     from codegen.harness.launcher import launch
@@ -72,7 +74,7 @@ def run_ab(kind: str, families: tuple[str, ...], tp: int, device: str, root: Pat
                 jobs.append({"name": f"{family}/b{batch}/g{g}", "family": family, "batch": batch, "setups": setups})
     # full widths: one launch per family, so no rank carries one family's freed-but-kept heap into the next, and a
     # family whose launch fails (the kernel's OOM killer, a crash) costs its own rows only, said in them
-    per_family = settings["size"] == "full"
+    per_family = settings["size"] == "full" or after_launch is not None
     batches = [[f] for f in families] if per_family else [list(families)]
     ranks: list[dict] = []
     measured: list[dict] = []  # every launch's per-rank limits (full widths: one launch per family)
@@ -90,7 +92,11 @@ def run_ab(kind: str, families: tuple[str, ...], tp: int, device: str, root: Pat
                 raise
             failed[launched[0]] = str(exc)
             progress(f"{launched[0]}: not run: {exc}")
+            if after_launch is not None:
+                after_launch(tuple(launched))
             continue
+        if after_launch is not None:
+            after_launch(tuple(launched))
         for k, rank in enumerate(launched_ranks):
             measured.append(rank.get("limits") or {})
             if k < len(ranks):

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from codegen.errors import BadInput, VerifyFailed
@@ -85,7 +86,10 @@ def _startup_baseline(trials: int) -> float:
 
 
 def run_bench(kind: str, device: str, tp: int, workdir: Path | None, progress: Progress,
-              families: tuple[str, ...] | None = None, dtype: str | None = None) -> dict:
+              families: tuple[str, ...] | None = None, dtype: str | None = None,
+              after_launch: Callable[[tuple[str, ...]], None] | None = None) -> dict:
+    """The bench record of `kind`; `after_launch(families)` runs after each rank launch (then one per family) with
+    the families it ran (codegen.harness.peer.run_paired: vLLM on them, right after)."""
     settings = dict(SETTINGS[kind])
     dtype = dtype or ("bfloat16" if device == "cuda" else "float32")
     families = families or families_of(kind)
@@ -105,7 +109,8 @@ def run_bench(kind: str, device: str, tp: int, workdir: Path | None, progress: P
     try:
         compiled = device == "cpu" and not shm_op_cached()
         load_start = _loadavg()
-        rows, ranks, dirs, limits = run_ab(kind, families, tp, device, root, progress, dtype=dtype, groups=groups)
+        rows, ranks, dirs, limits = run_ab(kind, families, tp, device, root, progress, dtype=dtype, groups=groups,
+                                              after_launch=after_launch)
         load_end = _loadavg()
         for row in rows:
             if row["family"] in memory:

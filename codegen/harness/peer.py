@@ -115,57 +115,112 @@ def prompts(vocab: int, batch: int, prompt_len: int) -> list[list[int]]:
 
 def run_peer(kind: str, tp: int, dtype: str, root: Path, progress: Progress) -> dict:
     """vLLM on every family of the bench run `kind`: the peer record `bench --merge` joins to the bench rows."""
-    from codegen.models import model_sizes
-
-    settings = SETTINGS[kind]
     started = time.monotonic()
-    venv = ensure_venv(progress)
-    families = families_of(kind)
-    built = build_examples(families, settings["size"], root, progress,
-                           dtype if settings["size"] == "full" else "float32")
-    progress(f"machine limits: memory bandwidth and {dtype} GEMM throughput on {tp} ranks at once (as the bench "
-             "measures them: its record and this one join only where they agree)")
-    measured = [rank.get("limits") or {} for rank in launch({"tp": tp, "device": "cpu", "dtype": dtype,
-                                                              "limits": True, "jobs": []}, tp, 600.0, progress,
-                                                             what="machine limits")]
-    env = cpu_env(tp)
-    runner = Path(__file__).resolve().parent / "vllm_peer_runner.py"
-    rows, version = [], None
-    for family in families:
-        vocab = model_sizes(built[family])["vocab_size"]
-        job = {"name": family, "model": str(built[family]), "new_tokens": settings["e2e_tokens"],
+    peer = PeerRun(kind, tp, dtype, root, progress, families_of(kind))
+    peer.measure_limits()
+    for family in peer.families:
+        peer.run_family(family)
+    return peer.record(time.monotonic() - started)
+
+
+def run_paired(kind: str, tp: int, dtype: str, root: Path, workdir: Path | None,
+               progress: Progress) -> tuple[dict, dict]:
+    """The bench and vLLM family by family: each family's bench launch, then the machine's limits and vLLM on that
+    family, so the two runs of a row are minutes apart rather than the bench's whole wall (this machine's bandwidth
+    and each engine's step times moved by up to 1.4x between launches half an hour apart). (bench record, peer
+    record), each marked with the schedule; vLLM's files go to `root`, the bench's as `run_bench` puts them."""
+    from codegen.harness.bench import run_bench
+
+    started = time.monotonic()
+    peer = PeerRun(kind, tp, dtype, root, progress, families_of(kind))
+
+    def beside(families: tuple[str, ...]) -> None:
+        peer.measure_limits()
+        for family in families:
+            peer.run_family(family)
+
+    bench = run_bench(kind, "cpu", tp, workdir, progress, dtype=dtype, after_launch=beside)
+    record = peer.record(time.monotonic() - started)
+    for each in (bench, record):
+        each["paired"] = {"peer": PEER, "schedule": PAIRED_SCHEDULE}
+    return bench, record
+
+
+#: how `bench --peer vllm --paired` interleaves the two runs (both records carry it)
+PAIRED_SCHEDULE = ("family by family: the family's bench launch (its rows, every setup), then the machine's limits "
+                   "on the same ranks' cores and vLLM on the same family's checkpoints")
+
+
+class PeerRun:
+    """vLLM's CPU engine on the bench's example checkpoints of `families`, one family at a time, into one record."""
+
+    def __init__(self, kind: str, tp: int, dtype: str, root: Path, progress: Progress,
+                 families: tuple[str, ...]) -> None:
+        self.kind, self.tp, self.dtype, self.root, self.progress = kind, tp, dtype, root, progress
+        self.settings = SETTINGS[kind]
+        self.families = families
+        self.venv = ensure_venv(progress)
+        self.built = build_examples(families, self.settings["size"], root, progress,
+                                    dtype if self.settings["size"] == "full" else "float32")
+        self.measured: list[dict] = []
+        self.rows: list[dict] = []
+        self.version: str | None = None
+
+    def measure_limits(self) -> None:
+        """The machine's limits as the bench's ranks measure them (its record and this one join only where they
+        agree)."""
+        self.progress(f"machine limits: memory bandwidth and {self.dtype} GEMM throughput on {self.tp} ranks at once "
+                      "(as the bench measures them: its record and this one join only where they agree)")
+        self.measured += [rank.get("limits") or {} for rank in launch(
+            {"tp": self.tp, "device": "cpu", "dtype": self.dtype, "limits": True, "jobs": []}, self.tp, 600.0,
+            self.progress, what="machine limits")]
+
+    def run_family(self, family: str) -> None:
+        """vLLM on `family`'s checkpoint at every batch of the run; what it cannot run is recorded with its line."""
+        from codegen.models import model_sizes
+
+        settings, root = self.settings, self.root
+        vocab = model_sizes(self.built[family])["vocab_size"]
+        job = {"name": family, "model": str(self.built[family]), "new_tokens": settings["e2e_tokens"],
                "batches": {str(b): prompts(vocab, b, settings["prompt_len"]) for b in settings["batches"]}}
-        spec = {"tp": tp, "dtype": dtype, "repeats": settings["e2e_repeats"], "jobs": [job]}
+        spec = {"tp": self.tp, "dtype": self.dtype, "repeats": settings["e2e_repeats"], "jobs": [job]}
         spec_path, out_path = root / f"{family}-vllm-spec.json", root / f"{family}-vllm-out.json"
         spec_path.write_text(json.dumps(spec))
-        progress(f"{family}: vLLM {VLLM_VERSION}, TP={tp}, {dtype}, batches "
-                 f"{', '.join(map(str, settings['batches']))}, {settings['e2e_tokens']} new tokens")
+        self.progress(f"{family}: vLLM {VLLM_VERSION}, TP={self.tp}, {self.dtype}, batches "
+                      f"{', '.join(map(str, settings['batches']))}, {settings['e2e_tokens']} new tokens")
+        runner = Path(__file__).resolve().parent / "vllm_peer_runner.py"
         try:
-            done = subprocess.run([str(_python(venv)), "-c", _RUN, str(runner), str(spec_path), str(out_path)],
-                                  capture_output=True, text=True, env=env, timeout=settings["timeout"], cwd=root)
+            done = subprocess.run([str(_python(self.venv)), "-c", _RUN, str(runner), str(spec_path), str(out_path)],
+                                  capture_output=True, text=True, env=cpu_env(self.tp), timeout=settings["timeout"],
+                                  cwd=root)
             log = done.stdout + done.stderr
         except subprocess.TimeoutExpired:
             log = f"TimeoutExpired: vLLM did not finish in {settings['timeout']:.0f}s"
         (root / f"{family}-vllm.log").write_text(log)
         result = json.loads(out_path.read_text()) if out_path.exists() else {}
-        version = result.get("vllm", version)
+        self.version = result.get("vllm", self.version)
         figures = result.get("jobs", {}).get(family) or {"crashed": _crash_line(log)}
         if any(p in figures.get("crashed", "") for p in _POINTERS):  # the engine's pointer: its log has the cause
             figures = {"crashed": _crash_line(log)}
         for batch in settings["batches"]:
             entry = figures.get(str(batch)) if "crashed" not in figures else figures
             row = peer_figures(entry or {"crashed": _crash_line(log)}, batch)
-            rows.append({"family": family, "label": label(family), "size": settings["size"], "dtype": dtype,
-                         "batch": batch, **row})
-            progress(f"{family} batch {batch}: " + (f"crashed: {row['crashed']}" if "crashed" in row else
-                     f"{row['e2e']['tokens_per_s']:.1f} tokens/s end to end, TTFT "
-                     f"{row['e2e']['ttft']['median'] * 1e3:.0f} ms"))
-    record = result_record("bench", kind, device="cpu", tp=tp, world_size=tp, dtype=dtype, tolerance=None,
-                           settings={k: v for k, v in settings.items() if k != "timeout"}, families=None,
-                           problems=[], wall_s=time.monotonic() - started, rows=rows)
-    record.update(peer=PEER, peer_version=version or VLLM_VERSION,
-                  machine_limits={"tp": machine_limits.summary(measured, tp), "method": machine_limits.METHOD})
-    return record
+            self.rows.append({"family": family, "label": label(family), "size": settings["size"], "dtype": self.dtype,
+                              "batch": batch, **row})
+            self.progress(f"{family} batch {batch}: " + (f"crashed: {row['crashed']}" if "crashed" in row else
+                          f"{row['e2e']['tokens_per_s']:.1f} tokens/s end to end, TTFT "
+                          f"{row['e2e']['ttft']['median'] * 1e3:.0f} ms"))
+
+    def record(self, wall_s: float) -> dict:
+        """The peer record: its rows, and every limits launch's per-rank figures (the lowest of each joins)."""
+        settings = self.settings
+        record = result_record("bench", self.kind, device="cpu", tp=self.tp, world_size=self.tp, dtype=self.dtype,
+                               tolerance=None, settings={k: v for k, v in settings.items() if k != "timeout"},
+                               families=None, problems=[], wall_s=wall_s, rows=self.rows)
+        record.update(peer=PEER, peer_version=self.version or VLLM_VERSION,
+                      machine_limits={"tp": machine_limits.summary(self.measured, self.tp),
+                                      "method": machine_limits.METHOD})
+        return record
 
 
 #: an exception line in vLLM's log (its process prefix and log header before it)

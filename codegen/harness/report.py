@@ -307,6 +307,8 @@ def markdown(record_or_merged: dict) -> str:
     lines += ["", "Runs:", ""] + [f"- {_run_line(rec)}" for rec in records]
     lines += [f"- (v) vLLM {p.get('peer_version')} ({size_name(p['settings']['size'])} widths), {p['dtype']}: "
               f"{_machine_line(p)}; {_limits_line(p)}; "
+              + ("run paired with the bench (each family's vLLM run right after its bench launch); "
+                 if p.get("paired") else "")
               + ("joined to the bench rows above" if p.get("joined", True) else f"not joined: {p['not_joined']}")
               for p in record_or_merged.get("peers") or []]
     return "\n".join(lines) + "\n"
