@@ -389,6 +389,9 @@ def _bench_peer(args: argparse.Namespace, kind: str, dtype: str, progress) -> in
 
     if args.device != "cpu":
         raise errors.BadInput("--peer vllm runs vLLM's CPU engine: use --device cpu")
+    if args.paired is None and (args.markdown is not None or args.chart is not None):
+        raise errors.BadInput("--markdown and --chart draw the bench's rows: with --peer vllm, add --paired BENCH_JSON "
+                              "(or draw both records with --merge)")
     if args.paired is not None and (args.json is None or args.paired.resolve() == args.json.resolve()):
         raise errors.BadInput("--paired BENCH_JSON writes the bench record beside the peer's: give the peer's "
                               "its own path with --json")

@@ -589,12 +589,15 @@ def test_bad_tp_is_one_line():
 @pytest.mark.cli
 @pytest.mark.parametrize("args", [("--paired", "bench.json"),
                                   ("--peer", "vllm", "--paired", "bench.json"),
-                                  ("--peer", "vllm", "--paired", "bench.json", "--json", "bench.json")])
+                                  ("--peer", "vllm", "--paired", "bench.json", "--json", "bench.json"),
+                                  ("--peer", "vllm", "--json", "peer.json", "--markdown", "table.md"),
+                                  ("--peer", "vllm", "--json", "peer.json", "--chart", "chart.png")])
 def test_paired_without_a_peer_or_its_own_json_is_one_line(tmp_path, args):
     """`--paired` runs the bench beside `--peer vllm` and writes two records: without the peer, or without a
-    separate path for each, it is refused before anything runs, and nothing is written."""
-    result = run_codegen("bench", "--smoke", *(tmp_path / a if a.endswith(".json") else a for a in args),
-                         timeout=120)
+    separate path for each, it is refused before anything runs, and nothing is written; so is a peer run asked for
+    the bench's table or chart, which it has no rows of."""
+    result = run_codegen("bench", "--smoke", *(tmp_path / a if a.endswith((".json", ".md", ".png")) else a
+                                               for a in args), timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().count("\n") == 0 and "--paired" in result.stderr
     assert list(tmp_path.iterdir()) == []
