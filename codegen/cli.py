@@ -372,12 +372,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise errors.BadInput("--paired runs the bench beside a peer engine: use it with --peer vllm")
     record = run_bench(kind, args.device, args.tp, args.workdir, progress, dtype=dtype)
     print(report.write_outputs(record, args.json, args.markdown, args.chart), end="")
+    _fail_on_problems(record)
+    progress(f"done: {kind} benchmark, {len(record['rows'])} rows, wall {record['wall_s']:.0f}s")
+    return errors.OK
+
+
+def _fail_on_problems(record: dict) -> None:
+    """A bench record's failed checks, one FAIL line each, then exit 1 (its figures are written already)."""
     for p in record["problems"]:
         print(f"FAIL {p}", file=sys.stderr)
     if record["problems"]:
         raise errors.VerifyFailed(f"{len(record['problems'])} benchmark check(s) failed (figures written anyway)")
-    progress(f"done: {kind} benchmark, {len(record['rows'])} rows, wall {record['wall_s']:.0f}s")
-    return errors.OK
 
 
 def _bench_peer(args: argparse.Namespace, kind: str, dtype: str, progress) -> int:
@@ -406,10 +411,7 @@ def _bench_peer(args: argparse.Namespace, kind: str, dtype: str, progress) -> in
     if args.json is not None:
         _write(args.json, json.dumps(record, indent=2) + "\n")
     if args.paired is not None:
-        for p in bench["problems"]:
-            print(f"FAIL {p}", file=sys.stderr)
-        if bench["problems"]:
-            raise errors.VerifyFailed(f"{len(bench['problems'])} benchmark check(s) failed (figures written anyway)")
+        _fail_on_problems(bench)
     progress(f"done: {'the bench and ' if args.paired is not None else ''}vLLM peer ({kind}), "
              f"{len(record['rows'])} rows, wall {record['wall_s']:.0f}s")
     return errors.OK

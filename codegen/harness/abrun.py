@@ -92,9 +92,7 @@ def run_ab(kind: str, families: tuple[str, ...], tp: int, device: str, root: Pat
                 raise
             failed[launched[0]] = str(exc)
             progress(f"{launched[0]}: not run: {exc}")
-            if after_launch is not None:
-                after_launch(tuple(launched))
-            continue
+            launched_ranks = []
         if after_launch is not None:
             after_launch(tuple(launched))
         for k, rank in enumerate(launched_ranks):

@@ -46,6 +46,8 @@ for r in m.requires(sys.argv[1]) or []:
 """
 
 
+#: the file each family's vLLM process runs (in the peer's own Python)
+_RUNNER = Path(__file__).resolve().parent / "vllm_peer_runner.py"
 #: how the peer's Python runs the runner file (paths as arguments, never pasted into code)
 _RUN = "import runpy, sys; sys.exit(runpy.run_path(sys.argv[1])['main'](sys.argv[2], sys.argv[3]))"
 
@@ -193,9 +195,8 @@ class PeerRun:
         spec_path.write_text(json.dumps(spec))
         self.progress(f"{family}: vLLM {VLLM_VERSION}, TP={self.tp}, {self.dtype}, batches "
                       f"{', '.join(map(str, settings['batches']))}, {settings['e2e_tokens']} new tokens")
-        runner = Path(__file__).resolve().parent / "vllm_peer_runner.py"
         try:
-            done = subprocess.run([str(_python(self.venv)), "-c", _RUN, str(runner), str(spec_path), str(out_path)],
+            done = subprocess.run([str(_python(self.venv)), "-c", _RUN, str(_RUNNER), str(spec_path), str(out_path)],
                                   capture_output=True, text=True, env=cpu_env(self.tp), timeout=settings["timeout"],
                                   cwd=root)
             log = done.stdout + done.stderr
