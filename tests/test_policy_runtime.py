@@ -1939,13 +1939,12 @@ def _grouped_reference(rows, weight, ends):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_experts_kernel_is_torchs_matmul_per_expert(layout, offs_dtype, threads, dtype):
-    """float32 groups of any rows go to the C kernel (the dense loop up to 64 rows for (E, out, in) weights, the
-    blocked loop on packed blocks past it; for row-major ones the streamed loop up to 4 rows, the blocked loop in
-    place from 5), bfloat16 groups
-    of 1..16 rows (larger ones, a prefill's, to torch); empty experts are skipped and the padding rows past the last
-    group are 0, in both weight layouts transformers passes (gpt-oss's row-major experts, and the transposed view of
-    the (E, out, in) ones), float32 and bfloat16 (summed in float32 and rounded once, as torch's bfloat16 matmul
-    does: within one bfloat16 step of the float32 product)."""
+    """float32 groups of any rows go to the C kernel (the dense loop for (E, out, in) weights, past 64 rows in chunks
+    of at most 64; for row-major ones the streamed loop up to 4 rows, the blocked loop in place from 5), bfloat16
+    groups of 1..16 rows (larger ones, a prefill's, to torch); empty experts are skipped and the padding rows past
+    the last group are 0, in both weight layouts transformers passes (gpt-oss's row-major experts, and the transposed
+    view of the (E, out, in) ones), float32 and bfloat16 (summed in float32 and rounded once, as torch's bfloat16
+    matmul does: within one bfloat16 step of the float32 product)."""
     assert rt.grouped_mm_kernel() is not None, "the kernel did not build on this machine"
     torch.manual_seed(0)
     # 300 columns: more than one column block of the kernel; 270 inputs: more than one block of the blocked loop's
@@ -1983,11 +1982,11 @@ def test_the_experts_kernel_is_torchs_matmul_per_expert(layout, offs_dtype, thre
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", [1, 3, 4, 7, 8, 9, 12, 16, 17, 33, 64, 65, 130])
 def test_the_dense_kernel_is_torchs_linear(rows, threads):
-    """A decode step's or a short prompt's 1..64 rows by an nn.Linear weight run in the C kernel's dense loop (up to 8
-    rows the 4 x 6 tile, 9-16 the rows as one vector's lanes, 17-64 as 2-4 vectors' lanes), more rows in its blocked
-    loop on packed blocks, with and without a bias, on rows strided as DeepSpeed's LM-head shard takes them and on a
-    weight that is a slice of a wider one (of `DENSE_KERNEL_WIDE_WEIGHT` elements: below it, more than 16 rows are
-    torch's own product); other dtypes and a bias torch broadcasts are torch's own product, exactly."""
+    """An nn.Linear weight's rows run in the C kernel's dense loop (up to 8 rows the 4 x 6 tile, 9-16 the rows as one
+    vector's lanes, 17-64 as 2-4 vectors' lanes, more in chunks of 17-64: 65 as 48 and 17, 130 as 48, 48 and 34), with
+    and without a bias, on rows strided as DeepSpeed's LM-head shard takes them and on a weight that is a slice of a
+    wider one (of `DENSE_KERNEL_WIDE_WEIGHT` elements: below it, more than 16 rows are torch's own product); other
+    dtypes and a bias torch broadcasts are torch's own product, exactly."""
     assert rt.grouped_mm_kernel() is not None, "the kernel did not build on this machine"
     torch.manual_seed(0)
     # 300 inputs: a chunk of 256 and a tail that is not a multiple of the 16 lanes; 3500 outputs: blocks of 6 and a

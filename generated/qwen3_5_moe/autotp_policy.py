@@ -41,7 +41,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'qwen3_5_moe', 'moe_classes': ['Qwen3_5MoeSparseMoeBlock'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': ['shared_expert'], 'routers': ['gate', 'shared_expert_gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn', 'linear_attn'], 'replicated': ['visual'], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'linear_num_key_heads', 'linear_num_value_heads', 'moe_intermediate_size', 'shared_expert_intermediate_size'], 'linear_attention': {'attr': 'linear_attn', 'projections': [['in_proj_qkv', ['key_dim', 'key_dim', 'value_dim']], ['in_proj_z', []], ['in_proj_b', []], ['in_proj_a', []]], 'conv': 'conv1d', 'conv_segments': ['key_dim', 'key_dim', 'value_dim'], 'head_params': ['A_log', 'dt_bias'], 'output': 'out_proj', 'local_sizes': ['num_k_heads', 'num_v_heads', 'key_dim', 'value_dim', 'conv_dim']}}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_qwen3_5_moe'
-RUNTIME_SHA256 = 'd8c7e259599fe6c1ed5cc927f0b0bec15d7b7ebf9c2595f6b21320dfbf6c76e9'
+RUNTIME_SHA256 = '963a4dc5bfa0570f113177168e77f0b53af37c41a52cff1b67825be4d021160a'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -1857,10 +1857,9 @@ bfloat16 ones of any rows so too: on an Intel Xeon (AVX-512), one thread, GPT-OS
 from 8.7 to 14.2 GB/s at batch 1 and from 6.4 to 10.0 at batch 16, where torch reads 11-12 GB/s); float32 experts
 with more rows go to a blocked loop (8 rows by 48 columns in registers, `by_weight_rows_blocked`), which outruns
 BLAS's sgemm at every row count measured. float32 weights stored column-major (output dim first, the (E, out, in)
-experts as transformers keeps them) go through the dense loop below up to 64 rows, expert by expert
-(scripts/experts_kernel_bench.py at the published widths, decode steps: 0.94-1.17x torch's matmul per expert, where
-the column loop before it was 0.76-1.01x), and past 64 rows through the blocked loop on blocks of the weight copied
-input-dim first (`by_weight_columns_packed`), as a long prompt's dense products are. bfloat16
+experts as transformers keeps them) go through the dense loop below, expert by expert, past 64 rows in chunks of at
+most 64 (scripts/experts_kernel_bench.py at the published widths, decode steps: 0.94-1.17x torch's matmul per expert,
+where the column loop before it was 0.76-1.01x), as a long prompt's dense products do. bfloat16
 weights are read as they are and summed in float32 (the rows converted to float32 first): transformers runs
 `torch._grouped_mm` in bfloat16, whose CPU kernel visits every expert (the same script: this loop is 1.42-1.89x it
 at batch 1, 1.05-1.22x at batch 16).
@@ -1908,11 +1907,12 @@ import torch  # first: the kernel's OpenMP threads run on the runtime torch load
 #: the weight once and wins from there on (float32 experts of any rows go to the kernel)
 SMALL_GROUP_ROWS = 16
 
-#: rows the dense loop (`linear_rows`) takes: a decode step's, and a short prompt's (its products are bound by the
-#: multiply-adds from 17 rows on, where torch's BLAS packs the weight on every call; measured)
+#: the most rows the dense loop (`linear_rows`) takes in one pass over the weight (a decode step's, a short prompt's);
+#: a longer prompt's go in chunks of at most this many (its products are bound by the multiply-adds from 17 rows on,
+#: where torch's BLAS packs the weight on every call; measured)
 DENSE_KERNEL_ROWS = 64
-#: the least elements of a weight the kernel takes more than SMALL_GROUP_ROWS rows by (4 MiB in float32; past
-#: DENSE_KERNEL_ROWS rows through the blocked loop on packed blocks): it wins where the weight streams from memory
+#: the least elements of a weight the kernel takes more than SMALL_GROUP_ROWS rows by (4 MiB in float32): it wins
+#: where the weight streams from memory
 #: (17-64 rows, 256x2048 to 5632x2048: 1.1-1.6x torch's product), and BLAS's packing and microkernel win where it sits
 #: in cache, as a toy model's do (512x512 in cache: 0.7-1.0x)
 DENSE_KERNEL_WIDE_WEIGHT = 1 << 20
@@ -2081,10 +2081,10 @@ int64_t codegen_grouped_mm(const float *x, int64_t S, int64_t ldx, const void *w
     }
     for (int64_t r = last; r < S; r++) memset(out + r * ldo, 0, N * sizeof(float));
     /* columns per task: whole panels of the blocked loop for row-major float32 weights (the streamed loop's sums
-       are `out` itself), as many as the most rows' accumulators allow for bfloat16 ones, whole panels of the packed
-       loop, or a fixed share */
-    const int blocked = sn == 1 && !wbf16, packed = sn != 1 && !wbf16 && most > PACKED_FROM;
-    int64_t block = blocked ? BLOCKED_COLUMNS : packed ? PACKED_COLUMNS
+       are `out` itself), as many as the most rows' accumulators allow for bfloat16 ones, every column on one thread
+       for column-major float32 ones (the dense loop transposes a task's rows once per task), or a fixed share */
+    const int blocked = sn == 1 && !wbf16, columns = sn != 1 && !wbf16;
+    int64_t block = blocked ? BLOCKED_COLUMNS : columns && threads == 1 ? N
                   : sn == 1 ? (ACC_FLOATS / most) / 16 * 16 : 256;
     if (blocked && nsmall * ((N + block - 1) / block) < 2 * threads) {
         /* too few tasks for the threads (an expert alone: a prefill's): a share of whole panels per thread */
@@ -2110,9 +2110,7 @@ int64_t codegen_grouped_mm(const float *x, int64_t S, int64_t ldx, const void *w
             else by_weight_columns_bf16(xg, ldx, we, sn, K, rows, nb, og, ldo);
         } else {
             const float *we = (const float *)w + at;
-            if (sn != 1 && rows > PACKED_FROM)
-                failed |= by_weight_columns_packed(xg, ldx, we, sn, K, rows, nb, og, ldo);
-            else if (sn != 1) failed |= linear_rows_span(xg, rows, ldx, we, sn, K, 0, nb, NULL, og, ldo);
+            if (sn != 1) failed |= linear_rows_span(xg, rows, ldx, we, sn, K, 0, nb, NULL, og, ldo);
             else if (rows > STREAMED_ROWS) by_weight_rows_blocked(xg, ldx, we, sk, K, rows, nb, og, ldo);
             else by_weight_rows_streamed(xg, ldx, we, sk, K, rows, nb, og, ldo);
         }
@@ -2367,11 +2365,9 @@ static const linear_tile_fn LINEAR_ONE[5] = {0, linear_tile_1_1, linear_tile_2_1
    rows: 99 / 105 / 108 GFLOP/s, where torch's matmul (sgemm) ran 50 / 80 / 97; 8 experts of 4-16 rows, four shapes:
    35-99 where the loop before this one (4 rows by 6 vectors, its sums in `out` every 16 weight rows) ran 23-53. */
 #define BLOCKED_KC 256
-#define PACKED_FROM WIDE_ROWS  /* rows past which column-major ones go to it on packed blocks (else the dense loop) */
 #define BLOCKED_ROWS 8
 #define BLOCKED_VECTORS 3
 #define BLOCKED_WIDTH (LANES * BLOCKED_VECTORS)  /* a tile's (and a panel's) columns */
-#define PACKED_COLUMNS (6 * BLOCKED_WIDTH)  /* a task's columns there: whole panels */
 /* a task's columns by a row-major float32 weight: a multiple of the tile's width */
 #define BLOCKED_COLUMNS (28 * BLOCKED_WIDTH)
 
@@ -2615,10 +2611,14 @@ static void linear_lanes_span(const float *xt, int64_t R, const float *w, int64_
 }
 
 /* From LANES + 1 to WIDE_ROWS rows (a short prompt's prefill): the rows are the lanes of V = ceil(R / LANES)
-   vectors, WIDE_SUMS / V weight rows at a time, their line sums (WIDE_SUMS vectors) in registers and each weight
-   element broadcast onto V vectors of x. Past 16 rows a product is bound by its multiply-adds, not the weight's
-   stream; torch's BLAS packs the weight on every call (from memory, not overlapped with its sums) and ran the 64-row
-   products of a full-width Qwen1.5-MoE layer at 92-99 GFLOP/s, one thread (the GEMM rate: 150-165). */
+   vectors, WIDE_SUMS / V weight rows at a time, their sums (WIDE_SUMS vectors) in registers over the whole K and
+   each weight element broadcast onto V vectors of x. Past 16 rows a product is bound by its multiply-adds, not the
+   weight's stream; torch's BLAS packs the weight on every call (from memory, not overlapped with its sums) and ran
+   the 64-row products of a full-width Qwen1.5-MoE layer at 92-99 GFLOP/s, one thread (the GEMM rate: 150-165).
+   Summing each line of 16 inputs apart and adding it to sums held in memory, as this loop did before, cost a fifth:
+   AMD EPYC (AVX-512), one thread, a full-width Qwen1.5-MoE layer's dense weights from memory in huge pages, 32 / 64
+   rows 78-79 / 89-90 -> 96 / 109-110 GFLOP/s; 20 experts of a 2048 x 1408 shard, 24 / 32 / 48 / 64 rows 57 / 75 /
+   88 / 88 -> 69 / 91 / 107 / 103. */
 #define WIDE_SUMS 24
 #if WIDE_ROWS > 4 * LANES || WIDE_ROWS < MAX_ROWS
 #error "WIDE_ROWS: MAX_ROWS to 4 vectors' lanes"
@@ -2629,30 +2629,26 @@ static void lanes_wide_##V(const float *xt, const float *w, int64_t ldw, int64_t
     enum { P = WIDE_SUMS / V };                                                                                  \
     const float *p[P];  /* a last panel's missing rows repeat its first, as lanes_panel's do */                 \
     for (int j = 0; j < P; j++) p[j] = w + (j < rows ? j : 0) * ldw;                                            \
-    for (int m = 0; m < P * V; m++) acc[m] = (lane_vector){0};                                                   \
+    lane_vector a[P][V];                                                                                         \
+    for (int j = 0; j < P; j++) for (int v = 0; v < V; v++) a[j][v] = (lane_vector){0};                         \
     int64_t k = 0;                                                                                               \
     for (; k + LANES <= K; k += LANES) {                                                                         \
         if (ahead)                                                                                               \
             for (int j = 0; j < P; j++) __builtin_prefetch(p[j] + ahead + k, 0, 2);                             \
         const lane_vector *xk = (const lane_vector *)(xt + k * LANES * V);                                      \
-        lane_vector line[P][V];                                                                                  \
-        _Pragma("GCC unroll 12")                                                                                 \
-        for (int j = 0; j < P; j++)                                                                              \
-            for (int v = 0; v < V; v++) line[j][v] = p[j][k] * xk[v];                                           \
         _Pragma("GCC unroll 16")                                                                                 \
-        for (int kk = 1; kk < LANES; kk++) {                                                                     \
+        for (int kk = 0; kk < LANES; kk++) {                                                                     \
             _Pragma("GCC unroll 12")                                                                             \
             for (int j = 0; j < P; j++)                                                                          \
-                for (int v = 0; v < V; v++) line[j][v] += p[j][k + kk] * xk[kk * V + v];                        \
+                for (int v = 0; v < V; v++) a[j][v] += p[j][k + kk] * xk[kk * V + v];                           \
         }                                                                                                        \
-        for (int j = 0; j < P; j++)                                                                              \
-            for (int v = 0; v < V; v++) acc[j * V + v] += line[j][v];                                            \
     }                                                                                                            \
     for (; k < K; k++) {  /* K's tail past the last whole line */                                               \
         const lane_vector *xk = (const lane_vector *)(xt + k * LANES * V);                                      \
         for (int j = 0; j < P; j++)                                                                              \
-            for (int v = 0; v < V; v++) acc[j * V + v] += p[j][k] * xk[v];                                       \
+            for (int v = 0; v < V; v++) a[j][v] += p[j][k] * xk[v];                                              \
     }                                                                                                            \
+    for (int j = 0; j < P; j++) for (int v = 0; v < V; v++) acc[j * V + v] = a[j][v];                           \
 }
 LANES_WIDE(2) LANES_WIDE(3) LANES_WIDE(4)
 
@@ -2662,8 +2658,8 @@ static const lanes_wide_fn LANES_WIDE_BY_VECTORS[5] = {0, 0, lanes_wide_2, lanes
 /* a thread's buffer of at least `floats` floats, 64-byte aligned, kept between calls (slot: which of its buffers);
    NULL where it cannot grow. A fresh one per call (128 KiB and more) would be mapped and faulted in each time. */
 static float *thread_buffer(int slot, int64_t floats) {
-    static __thread float *held[3] = {NULL, NULL, NULL};
-    static __thread int64_t held_floats[3] = {0, 0, 0};
+    static __thread float *held[2] = {NULL, NULL};
+    static __thread int64_t held_floats[2] = {0, 0};
     if (held_floats[slot] < floats + 16) {
         float *grown = (float *)realloc(held[slot], (floats + 16) * sizeof(float));
         if (!grown) return NULL;
@@ -2727,55 +2723,27 @@ static float *transposed_rows(const float *x, int64_t R, int64_t ldx, int64_t K)
     return xt;
 }
 
-/* Rows by a column-major float32 weight (w[n * sn + k], input dim contiguous: the (E, out, in) experts), more than
-   PACKED_FROM rows (a prefill's crowded experts): each block of BLOCKED_KC inputs by 48 columns is copied into this
-   thread's buffer input-dim first (16 x 16 at a time, transposed in registers, the next panel's weight rows fetched
-   on the way), then multiplied by every row tile through the blocked tiles, as by_weight_rows_blocked does in place.
-   Measured on the AMD EPYC (AVX-512), one thread, 32 experts of 128 rows: 97-99 GFLOP/s by a gate-up shard of 2048
-   inputs (768 or 1408 outputs), where sgemm ran 87-91; by a down shard of 384 or 704 inputs, about sgemm's rate (the
-   copy costs ~15% against the same tiles in place). Returns 0, -1 where the buffer cannot be had. */
-static int by_weight_columns_packed(const float *x, int64_t ldx, const float *w, int64_t sn, int64_t K, int64_t rows,
-                                    int64_t nb, float *out, int64_t ldo) {
-    const int64_t width = BLOCKED_WIDTH, lanes = nb / LANES * LANES;
-    float *panel = thread_buffer(2, BLOCKED_KC * width);
-    if (!panel) return -1;
-    for (int64_t k0 = 0; k0 < K; k0 += BLOCKED_KC) {
-        const int64_t kc = K - k0 < BLOCKED_KC ? K - k0 : BLOCKED_KC, whole = kc / LANES * LANES;
-        const int first = k0 == 0;
-        const float *xk = x + k0;
-        for (int64_t n0 = 0; n0 < lanes; n0 += width) {
-            const int64_t vectors = (lanes - n0) / LANES < BLOCKED_VECTORS ? (lanes - n0) / LANES : BLOCKED_VECTORS;
-            const int64_t ahead = n0 + 2 * width <= nb ? width * sn : 0;  /* the next panel's weight rows */
-            /* panel[k * width + 16 v + j] = w[(n0 + 16 v + j) * sn + k0 + k] */
-            for (int64_t v = 0; v < vectors; v++) {
-                const float *wv = w + (n0 + v * LANES) * sn + k0;
-                for (int64_t k = 0; k < whole; k += LANES) {
-                    lane_vector t[LANES];
-                    for (int j = 0; j < LANES; j++) t[j] = *(const lane_vector *)(wv + j * sn + k);
-                    if (ahead) for (int j = 0; j < LANES; j++) __builtin_prefetch(wv + ahead + j * sn + k, 0, 2);
-                    transposed_16(t);
-                    for (int i = 0; i < LANES; i++) *(lane_vector *)(panel + (k + i) * width + v * LANES) = t[i];
-                }
-                for (int64_t k = whole; k < kc; k++)
-                    for (int j = 0; j < LANES; j++) panel[k * width + v * LANES + j] = wv[j * sn + k];
-            }
-            if (vectors == BLOCKED_VECTORS)
-                panel_rows(BLOCKED_FULL, xk, ldx, panel, width, kc, rows, out + n0, ldo, first, 0);
-            else
-                for (int64_t v = 0; v < vectors; v++)
-                    panel_rows(BLOCKED_ONE, xk, ldx, panel + v * LANES, width, kc, rows, out + n0 + v * LANES, ldo,
-                               first, 0);
-        }
-        tail_columns(xk, ldx, w + k0, 1, sn, kc, rows, lanes, nb, out, ldo, first);
-    }
-    return 0;
-}
-
 /* rows by a dense weight's rows n0..n1: the tile up to LANES / 2 rows, one vector's lanes to LANES (the tile where
-   x's transposition cannot be had), several vectors' lanes above; returns -1 where more than MAX_ROWS rows cannot
-   have their transposition */
+   x's transposition cannot be had), several vectors' lanes above, and past WIDE_ROWS rows chunks of whole vectors'
+   rows, at most WIDE_ROWS each and as even as they go (each more than LANES rows: every output past LANES rows sums
+   in one order), the weight streamed once per chunk. That outruns the blocked loop on blocks of the weight copied
+   input-dim first, which this replaced: AMD EPYC (AVX-512), one thread, weights from memory in huge pages, 20
+   experts of 96 / 128 / 200 rows by a 2048 x 1408 shard 102-110 / 105-109 / 104 GFLOP/s against 92-93 / 93-97 /
+   96-100; 1024 rows by a full-width Qwen1.5-MoE layer's dense weights 102-105 against 99. Returns -1 where more than
+   MAX_ROWS rows cannot have their transposition. */
 static int linear_rows_span(const float *x, int64_t R, int64_t ldx, const float *w, int64_t ldw, int64_t K,
                             int64_t n0, int64_t n1, const float *bias, float *out, int64_t ldo) {
+    if (R > WIDE_ROWS) {
+        const int64_t vectors = (R + LANES - 1) / LANES, most = WIDE_ROWS / LANES;
+        const int64_t chunks = (vectors + most - 1) / most;
+        for (int64_t c = 0, r = 0; c < chunks; c++) {  /* the larger chunks first: the last has the rows left */
+            const int64_t whole = (vectors / chunks + (c < vectors % chunks)) * LANES;
+            const int64_t here = R - r < whole ? R - r : whole;
+            if (linear_rows_span(x + r * ldx, here, ldx, w, ldw, K, n0, n1, bias, out + r * ldo, ldo)) return -1;
+            r += here;
+        }
+        return 0;
+    }
     const float *xt = R > LANES / 2 ? transposed_rows(x, R, ldx, K) : NULL;
     if (xt && R > LANES) return linear_wide_span(xt, R, w, ldw, K, n0, n1, bias, out, ldo);
     if (xt) linear_lanes_span(xt, R, w, ldw, K, n0, n1, bias, out, ldo);
@@ -2784,15 +2752,16 @@ static int linear_rows_span(const float *x, int64_t R, int64_t ldx, const float 
     return 0;
 }
 
-/* out (R x N, ldo) = x (R x K, ldx) @ w^T + bias (N, or NULL), w (N x K, ldw), 1..WIDE_ROWS rows: returns 0, or
+/* out (R x N, ldo) = x (R x K, ldx) @ w^T + bias (N, or NULL), w (N x K, ldw), any rows: returns 0, or
    -1 for a shape it does not take or a buffer it cannot have (the caller runs torch's matmul). Each thread takes one
    run of whole blocks (of the lanes' panels from LANES / 2 rows on); each output element is summed in one order
    whatever the thread count. */
 int64_t codegen_linear_rows(const float *x, int64_t R, int64_t ldx, const float *w, int64_t ldw, int64_t K,
                             int64_t N, const float *bias, float *out, int64_t ldo, int threads) {
-    if (R < 1 || R > WIDE_ROWS || K < 1 || N < 1 || ldw < K || ldx < K) return -1;
-    const int64_t unit = R > LANES ? WIDE_SUMS / ((R + LANES - 1) / LANES) : R > LANES / 2 ? LANES_PANEL
-                                                                                            : LINEAR_BLOCK;
+    if (R < 1 || K < 1 || N < 1 || ldw < K || ldx < K) return -1;
+    /* whole panels of every chunk past WIDE_ROWS rows: WIDE_SUMS is a multiple of each chunk's panel */
+    const int64_t unit = R > WIDE_ROWS ? WIDE_SUMS : R > LANES ? WIDE_SUMS / ((R + LANES - 1) / LANES)
+                       : R > LANES / 2 ? LANES_PANEL : LINEAR_BLOCK;
     const int64_t blocks = (N + unit - 1) / unit;
     const int64_t spans = threads > 1 && blocks > 1 ? (threads < blocks ? threads : blocks) : 1;
     const int64_t per = (blocks + spans - 1) / spans * unit;
@@ -3260,11 +3229,11 @@ def _matmul_per_expert(input, weight, offs, output, more_than=0):
 
 def linear_rows(input, weight, bias=None):
     """`input @ weight.T + bias` (nn.Linear's product) through the kernel, float32 on CPU, `weight` (out, in) with `in`
-    contiguous: a decode step's or a short prompt's rows through its dense loop, 1..`SMALL_GROUP_ROWS` rows (up to
-    `DENSE_KERNEL_ROWS` by a weight of `DENSE_KERNEL_WIDE_WEIGHT` elements or more); a longer prompt's rows by such a
-    weight through the blocked loop on packed blocks (`by_weight_columns_packed`, the weight as one expert), which
-    outruns torch's BLAS there (AMD EPYC, AVX-512, one thread, 128 and 1024 rows by 2048-2880-input weights: 88-102
-    GFLOP/s against 65-91); any other call is torch's own (a small weight sits in cache, where BLAS's packing wins).
+    contiguous: a decode step's or a prompt's rows through its dense loop, 1..`SMALL_GROUP_ROWS` rows, or any by a
+    weight of `DENSE_KERNEL_WIDE_WEIGHT` elements or more (past `DENSE_KERNEL_ROWS` in chunks of at most that many),
+    which outruns torch's BLAS there (AMD EPYC, AVX-512, one thread, 1024 rows by a full-width Qwen1.5-MoE layer's
+    dense weights from memory in huge pages: 108 GFLOP/s, `F.linear` 90-93); any other call is torch's own (a small
+    weight sits in cache, where BLAS's packing wins).
     It runs for every dense product of a decode step, so its checks are plain attribute reads (a call costs about
     what `F.linear`'s dispatch does)."""
     width, f32 = input.shape[-1], torch.float32
@@ -3283,17 +3252,9 @@ def linear_rows(input, weight, bias=None):
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
     out = input.new_empty((*input.shape[:-1], weight.shape[0]))  # contiguous: its rows weight.shape[0] apart
-    if rows > DENSE_KERNEL_ROWS:
-        ends = ctypes.c_int64(rows)
-        status = kernel(x.data_ptr(), rows, x.stride(0), weight.data_ptr(), 0, 0, 1, weight.stride(0),
-                        ctypes.addressof(ends), 1, 1, width, weight.shape[0], out.data_ptr(), weight.shape[0],
-                        torch.get_num_threads())
-        if status == 0 and bias is not None:
-            out += bias
-    else:
-        status = kernel.linear(x.data_ptr(), rows, x.stride(0), weight.data_ptr(), weight.stride(0), width,
-                               weight.shape[0], None if bias is None else bias.data_ptr(), out.data_ptr(),
-                               weight.shape[0], torch.get_num_threads())
+    status = kernel.linear(x.data_ptr(), rows, x.stride(0), weight.data_ptr(), weight.stride(0), width,
+                           weight.shape[0], None if bias is None else bias.data_ptr(), out.data_ptr(), weight.shape[0],
+                           torch.get_num_threads())
     if status != 0:
         return torch.nn.functional.linear(input, weight, bias)
     return out
