@@ -39,7 +39,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'flint', 'moe_classes': ['FlintSparseMoeBlock'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': ['shared_expert'], 'routers': ['gate'], 'attention_replicated': [], 'attention_head_params': ['sinks'], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size', 'shared_expert_intermediate_size'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_flint'
-RUNTIME_SHA256 = '963a4dc5bfa0570f113177168e77f0b53af37c41a52cff1b67825be4d021160a'
+RUNTIME_SHA256 = 'aa40777bce7a9f7c2d39187c3bce76e20d95f645f7978e3d96e97b91f25fcef1'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -1850,7 +1850,7 @@ below. Measured (toy Qwen3-MoE widths, batch 16, its 4 layers' experts, float32,
 with torch's matmul per expert, 6.9 ms to only read the weights; its compiled decode step on 2 ranks went from 28 to
 17 ms. Weights stored row-major (input
 dim first, as GPT-OSS keeps them and as the fused experts store every float32 expert) are applied, up to 4 rows,
-four weight rows at a time to sums that stay in L1, so the weight streams in long runs (`by_weight_rows_streamed`;
+eight weight rows at a time to sums that stay in cache, so the weight streams in long runs (`by_weight_rows_streamed`;
 bfloat16 ones of any rows so too: on an Intel Xeon (AVX-512), one thread, GPT-OSS-20b's experts at TP=2 widths went
 from 8.7 to 14.2 GB/s at batch 1 and from 6.4 to 10.0 at batch 16, where torch reads 11-12 GB/s); float32 experts
 with more rows go to a blocked loop (8 rows by 48 columns in registers, `by_weight_rows_blocked`), which outruns
@@ -2078,11 +2078,12 @@ int64_t codegen_grouped_mm(const float *x, int64_t S, int64_t ldx, const void *w
         if (end > last) last = end;
     }
     for (int64_t r = last; r < S; r++) memset(out + r * ldo, 0, N * sizeof(float));
-    /* columns per task: whole panels of the blocked loop for row-major float32 weights (the streamed loop's sums
-       are `out` itself), as many as the most rows' accumulators allow for bfloat16 ones, every column on one thread
-       for column-major float32 ones (the dense loop transposes a task's rows once per task), or a fixed share */
-    const int blocked = sn == 1 && !wbf16, columns = sn != 1 && !wbf16;
-    int64_t block = blocked ? BLOCKED_COLUMNS : columns && threads == 1 ? N
+    /* columns per task: every column on one thread for float32 weights (a row-major weight streams in its memory
+       order; the dense loop transposes a task's rows once per task), else whole panels of the blocked loop for
+       row-major float32 weights (the streamed loop's sums are `out` itself), as many as the most rows' accumulators
+       allow for bfloat16 ones, or a fixed share */
+    const int blocked = sn == 1 && !wbf16;
+    int64_t block = !wbf16 && threads == 1 ? N : blocked ? BLOCKED_COLUMNS
                   : sn == 1 ? (ACC_FLOATS / most) / 16 * 16 : 256;
     if (blocked && nsmall * ((N + block - 1) / block) < 2 * threads) {
         /* too few tasks for the threads (an expert alone: a prefill's): a share of whole panels per thread */
@@ -2438,45 +2439,51 @@ static void by_weight_rows_blocked(const float *x, int64_t ldx, const float *w, 
     }
 }
 
-/* Up to STREAMED_ROWS rows (a decode step's experts) by a row-major float32 weight: four weight rows at a time,
-   their columns in one pass, each weight vector loaded once for every row and added into the rows' sums in `out`
-   (in L1); the weight rows STREAMED_AHEAD rows on are fetched into L2 on the way, which the hardware's own prefetch
-   does not keep up with here. Measured on the AMD EPYC (AVX-512), one thread, 128 experts of one row, weights from
-   memory, before (the blocked loop's four-rows-at-a-time predecessor) / after: a 2048 x 768 shard 13.7-15.3 ->
-   16.2-19.8 GB/s, 384 x 2048 19.3-19.5 -> 19.1-23.0 (the column-major layout's dense loop: 21.6-24.1 and
-   15.4-16.4). */
+/* Up to STREAMED_ROWS rows (a decode step's experts) by a row-major float32 weight: STREAMED_DEPTH weight rows at
+   a time, their columns in one pass, each weight vector loaded once for every row and added into the rows' sums in
+   `out` (in L1 or L2); the weight rows STREAMED_AHEAD rows on are fetched into L2 on the way, which the hardware's
+   own prefetch does not keep up with here. Eight weight rows a pass, over every column of the weight (a task of one
+   thread's), where it was four over strips of BLOCKED_COLUMNS: the sums are read and written half as often, and
+   the weight streams in its memory order instead of strips of rows 5-11 KiB apart (a strip of 64 columns read 256
+   bytes of each row). Measured on the AMD EPYC (AVX-512), one thread, weights from memory in huge pages, one
+   layer's hit experts at TP=2 widths, one row each: gpt-oss-20b 19.3 -> 22.5 GB/s, Qwen3-MoE 17.6 -> 19.7,
+   Qwen1.5-MoE 18.4 -> 20.9 (torch's sum of the same weights: 25-26); the loop alone on a 2880 x 2880 weight,
+   1 / 4 rows: 17.1 / 13.0 -> 24.5 / 19.0 GB/s. */
 #define STREAMED_ROWS 4
 #define STREAMED_AHEAD 16
+#define STREAMED_DEPTH 8
 static void by_weight_rows_streamed(const float *x, int64_t ldx, const float *w, int64_t sk, int64_t K,
                                     int64_t rows, int64_t nb, float *out, int64_t ldo) {
     const int64_t lanes = nb / LANES * LANES, ahead = STREAMED_AHEAD * sk;
     for (int64_t r = 0; r < rows; r++) memset(out + r * ldo, 0, nb * sizeof(float));
     int64_t k = 0;
-    for (; k + 4 <= K; k += 4) {
-        const float *w0 = w + k * sk, *w1 = w0 + sk, *w2 = w1 + sk, *w3 = w2 + sk;
-        const int fetch = k + STREAMED_AHEAD + 4 <= K;
-        lane_vector xb[STREAMED_ROWS][4];
+    for (; k + STREAMED_DEPTH <= K; k += STREAMED_DEPTH) {
+        const float *wk = w + k * sk;
+        const int fetch = k + STREAMED_AHEAD + STREAMED_DEPTH <= K;
+        lane_vector xb[STREAMED_ROWS][STREAMED_DEPTH];
         for (int64_t r = 0; r < rows; r++)
-            for (int i = 0; i < 4; i++) xb[r][i] = (lane_vector){0} + x[r * ldx + k + i];
+            for (int i = 0; i < STREAMED_DEPTH; i++) xb[r][i] = (lane_vector){0} + x[r * ldx + k + i];
         for (int64_t n = 0; n < lanes; n += LANES) {
-            const lane_vector v0 = *(const lane_vector *)(w0 + n), v1 = *(const lane_vector *)(w1 + n);
-            const lane_vector v2 = *(const lane_vector *)(w2 + n), v3 = *(const lane_vector *)(w3 + n);
-            if (fetch) {
-                __builtin_prefetch(w0 + ahead + n, 0, 2); __builtin_prefetch(w1 + ahead + n, 0, 2);
-                __builtin_prefetch(w2 + ahead + n, 0, 2); __builtin_prefetch(w3 + ahead + n, 0, 2);
-            }
+            lane_vector v[STREAMED_DEPTH];
+            for (int i = 0; i < STREAMED_DEPTH; i++) v[i] = *(const lane_vector *)(wk + i * sk + n);
+            if (fetch)
+                for (int i = 0; i < STREAMED_DEPTH; i++) __builtin_prefetch(wk + ahead + i * sk + n, 0, 2);
             for (int64_t r = 0; r < rows; r++) {
                 lane_vector *o = (lane_vector *)(out + r * ldo + n);
-                *o += xb[r][0] * v0 + xb[r][1] * v1 + xb[r][2] * v2 + xb[r][3] * v3;
+                lane_vector sum = *o;
+                for (int i = 0; i < STREAMED_DEPTH; i++) sum += xb[r][i] * v[i];
+                *o = sum;
             }
         }
-        for (int64_t n = lanes; n < nb; n++)
+        for (int64_t n = lanes; n < nb; n++)  /* the columns past the last whole vector */
             for (int64_t r = 0; r < rows; r++) {
                 const float *xr = x + r * ldx + k;
-                out[r * ldo + n] += xr[0] * w0[n] + xr[1] * w1[n] + xr[2] * w2[n] + xr[3] * w3[n];
+                float sum = out[r * ldo + n];
+                for (int i = 0; i < STREAMED_DEPTH; i++) sum += xr[i] * wk[i * sk + n];
+                out[r * ldo + n] = sum;
             }
     }
-    for (; k < K; k++)
+    for (; k < K; k++)  /* K's tail past the last whole pass */
         for (int64_t r = 0; r < rows; r++)
             for (int64_t n = 0; n < nb; n++) out[r * ldo + n] += x[r * ldx + k] * w[k * sk + n];
 }
@@ -3361,7 +3368,7 @@ def output_dim_contiguous(experts, names):
     """Store an experts module's float32 weights with the output dim contiguous, same shape, same Parameters (the
     op's (E, in, out) row-major): a prefill's products run the kernel's blocked loop in place, where the (E, out,
     in) layout transformers keeps runs a few rows per expert in the dense loop's lanes or copies blocks first, and a
-    decode step's stream four weight rows at a time. One MoE layer of a TP=2 shard at the bench's full widths, one
+    decode step's stream eight weight rows at a time. One MoE layer of a TP=2 shard at the bench's full widths, one
     thread, the model's own routing (AMD EPYC, AVX-512), `in` -> `out` contiguous: Qwen3-MoE, a 16 x 64-token prefill
     1007-1042 -> 776-794 ms, 64 tokens 109 -> 95-96 ms, decode steps 0-10% slower (Qwen1.5-MoE's batch 1: 15%; the
     four families' figures in docs/policy.md). One weight at a time is copied; GPT-OSS's, kept input-dim first, are

@@ -102,7 +102,7 @@ def output_dim_contiguous(experts, names):
     """Store an experts module's float32 weights with the output dim contiguous, same shape, same Parameters (the
     op's (E, in, out) row-major): a prefill's products run the kernel's blocked loop in place, where the (E, out,
     in) layout transformers keeps runs a few rows per expert in the dense loop's lanes or copies blocks first, and a
-    decode step's stream four weight rows at a time. One MoE layer of a TP=2 shard at the bench's full widths, one
+    decode step's stream eight weight rows at a time. One MoE layer of a TP=2 shard at the bench's full widths, one
     thread, the model's own routing (AMD EPYC, AVX-512), `in` -> `out` contiguous: Qwen3-MoE, a 16 x 64-token prefill
     1007-1042 -> 776-794 ms, 64 tokens 109 -> 95-96 ms, decode steps 0-10% slower (Qwen1.5-MoE's batch 1: 15%; the
     four families' figures in docs/policy.md). One weight at a time is copied; GPT-OSS's, kept input-dim first, are
