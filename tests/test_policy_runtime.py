@@ -1948,7 +1948,7 @@ def test_the_experts_kernel_is_torchs_matmul_per_expert(layout, offs_dtype, thre
     assert rt.grouped_mm_kernel() is not None, "the kernel did not build on this machine"
     torch.manual_seed(0)
     # 300 columns: more than one column block of the kernel; 270 inputs: more than one block of the blocked loop's
-    # 256, and not a multiple of the 4 weight rows (or the vector widths) the kernel takes at a time, so tails run too
+    # 256, and not a multiple of the 8 weight rows (or the vector widths) the kernel takes at a time, so tails run too
     experts, width, out = 9, 270, 300
     counts = torch.tensor([1, 0, 16, 17, 4, 5, 12, 40, 65])  # 1-4, 5-8, 9-16, 17-64 and 65 take different loops
     ends = counts.cumsum(0).to(offs_dtype)
