@@ -41,7 +41,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'nemotron_h', 'moe_classes': ['NemotronHMoE'], 'experts': 'experts', 'per_expert': {'gate': '', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'up_rows', 'gate_up': '', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'up': 'up_proj', 'latent_in': 'fc1_latent_proj', 'latent_out': 'fc2_latent_proj', 'gate': 'silu', 'gate_params': []}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['mixer'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mixer'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'moe_shared_expert_intermediate_size', 'intermediate_size'], 'linear_attention': None, 'whole_modules': ['NemotronHMamba2Mixer']}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_nemotron_h'
-RUNTIME_SHA256 = 'aa40777bce7a9f7c2d39187c3bce76e20d95f645f7978e3d96e97b91f25fcef1'
+RUNTIME_SHA256 = '333cb449c96c71da18f7056e4495ced280dfa748a773da168f72cb43d2781e1d'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -2087,7 +2087,7 @@ int64_t codegen_grouped_mm(const float *x, int64_t S, int64_t ldx, const void *w
     const int blocked = sn == 1 && !wbf16;
     int64_t block = !wbf16 && threads == 1 ? N : blocked ? BLOCKED_COLUMNS
                   : sn == 1 ? (ACC_FLOATS / most) / 16 * 16 : 256;
-    if (blocked && nsmall * ((N + block - 1) / block) < 2 * threads) {
+    if (blocked && threads > 1 && nsmall * ((N + block - 1) / block) < 2 * threads) {
         /* too few tasks for the threads (an expert alone: a prefill's): a share of whole panels per thread */
         const int64_t width = BLOCKED_WIDTH;
         const int64_t share = ((N + threads - 1) / threads + width - 1) / width * width;
@@ -2369,7 +2369,8 @@ static const linear_tile_fn LINEAR_ONE[5] = {0, linear_tile_1_1, linear_tile_2_1
 #define BLOCKED_ROWS 8
 #define BLOCKED_VECTORS 3
 #define BLOCKED_WIDTH (LANES * BLOCKED_VECTORS)  /* a tile's (and a panel's) columns */
-/* a task's columns by a row-major float32 weight: a multiple of the tile's width */
+/* a task's columns by a row-major float32 weight when threads share the experts (on one thread a task holds every
+   column): a multiple of the tile's width */
 #define BLOCKED_COLUMNS (28 * BLOCKED_WIDTH)
 
 /* sums (RT x NV vectors, lds apart) = (first ? 0 : sums) + x (RT rows, ldx) @ w (kc rows, sk apart) */

@@ -246,7 +246,7 @@ int64_t codegen_grouped_mm(const float *x, int64_t S, int64_t ldx, const void *w
     const int blocked = sn == 1 && !wbf16;
     int64_t block = !wbf16 && threads == 1 ? N : blocked ? BLOCKED_COLUMNS
                   : sn == 1 ? (ACC_FLOATS / most) / 16 * 16 : 256;
-    if (blocked && nsmall * ((N + block - 1) / block) < 2 * threads) {
+    if (blocked && threads > 1 && nsmall * ((N + block - 1) / block) < 2 * threads) {
         /* too few tasks for the threads (an expert alone: a prefill's): a share of whole panels per thread */
         const int64_t width = BLOCKED_WIDTH;
         const int64_t share = ((N + threads - 1) / threads + width - 1) / width * width;
@@ -528,7 +528,8 @@ static const linear_tile_fn LINEAR_ONE[5] = {0, linear_tile_1_1, linear_tile_2_1
 #define BLOCKED_ROWS 8
 #define BLOCKED_VECTORS 3
 #define BLOCKED_WIDTH (LANES * BLOCKED_VECTORS)  /* a tile's (and a panel's) columns */
-/* a task's columns by a row-major float32 weight: a multiple of the tile's width */
+/* a task's columns by a row-major float32 weight when threads share the experts (on one thread a task holds every
+   column): a multiple of the tile's width */
 #define BLOCKED_COLUMNS (28 * BLOCKED_WIDTH)
 
 /* sums (RT x NV vectors, lds apart) = (first ? 0 : sums) + x (RT rows, ldx) @ w (kc rows, sk apart) */
