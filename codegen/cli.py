@@ -135,6 +135,10 @@ def _add_bench(sub) -> None:
                    help="with --peer: run the bench too, family by family, each family's peer run right after its "
                         "bench launch (the two runs of a row minutes apart, not the bench's whole wall); writes the "
                         "bench record to BENCH_JSON and the peer's to --json")
+    p.add_argument("--rounds", type=int, default=1, metavar="N",
+                   help="with --paired: per family, N rounds alternating (f) codegen compiled and the peer (the "
+                        "first round the family's whole bench launch, the others (b) and (f) alone); (f)'s and the "
+                        "peer's timings pooled over the rounds (default: 1)")
     _debug_flag(p, top=False)
 
 
@@ -348,6 +352,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from codegen.harness import report
 
+    if args.rounds < 1:
+        raise errors.BadInput(f"--rounds {args.rounds}: give 1 or more")
+    if args.rounds > 1 and (args.merge or args.peer is None or args.paired is None):
+        raise errors.BadInput("--rounds alternates codegen and a peer engine: use it with --peer vllm --paired "
+                              "BENCH_JSON")
     if args.merge:
         record = report.merge(list(args.merge))
         print(report.write_outputs(record, args.json, args.markdown, args.chart, args.readme), end="")
@@ -405,7 +414,7 @@ def _bench_peer(args: argparse.Namespace, kind: str, dtype: str, progress) -> in
         if args.paired is None:
             record = run_peer(kind, args.tp, dtype, root, progress)
         else:
-            bench, record = run_paired(kind, args.tp, dtype, root, args.workdir, progress)
+            bench, record = run_paired(kind, args.tp, dtype, root, args.workdir, progress, rounds=args.rounds)
     if args.paired is not None:
         print(report.write_outputs(bench, args.paired, args.markdown, args.chart), end="")
     if args.json is not None:

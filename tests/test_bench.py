@@ -622,6 +622,76 @@ def test_a_paired_run_hands_over_after_each_familys_launch(tmp_path):
     assert all(row["codegen"]["allreduce_decode_per_moe_layer_mean"] == 1 for row in rows)
 
 
+@pytest.mark.cli
+@pytest.mark.parametrize("args", [("--rounds", "2"), ("--rounds", "0"),
+                                  ("--peer", "vllm", "--json", "peer.json", "--rounds", "3"),
+                                  ("--merge", "bench.json", "--rounds", "2")])
+def test_rounds_without_a_paired_peer_run_is_one_line(tmp_path, args):
+    """`--rounds N` alternates (f) and the peer engine within `--peer vllm --paired`: anywhere else, or under 1, it
+    is refused in one line before anything runs, and nothing is written."""
+    result = run_codegen("bench", "--smoke", *(str(tmp_path / a) if a.endswith(".json") else a for a in args),
+                         timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().count("\n") == 0 and "--rounds" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.runtime
+@pytest.mark.once
+def test_a_run_in_rounds_pools_the_compiled_setups_timings_over_them(tmp_path):
+    """`--rounds 2`: after the family's launch and the hook, a second launch of (b) and (f) alone and the hook again;
+    the row's (f) decode steps are both rounds' (real ranks, a tiny dir, the demo's steps)."""
+    from codegen.harness.abrun import SETTINGS, run_ab
+
+    family = SMOKE[0]
+    events: list[str] = []
+    rows, *_ = run_ab("demo", (family,), 2, "cpu", tmp_path, events.append, groups={family: (("codegen", "compiled"),)},
+                      after_launch=lambda launched: events.append(f"after {launched}"), rounds=2)
+    kinds = {"starting 2 CPU ranks": "launch", f"after {(family,)}": "hook", f"{family}: round 2 of 2": "round 2"}
+    order = [kind for e in events for start, kind in kinds.items() if e.startswith(start)]
+    assert order == ["launch", "hook", "round 2", "hook"]
+    (row,) = rows
+    steps = SETTINGS["demo"]["decode_steps"]
+    assert row["compiled"]["pooled_rounds"] == 2 and row["compiled"]["decode"]["n"] == 2 * steps
+    assert row["codegen"]["decode"]["n"] == steps and "pooled_rounds" not in row["codegen"]
+    assert row["compiled"]["allreduce_decode_per_moe_layer_mean"] == 1
+
+
+@pytest.mark.unit
+def test_later_rounds_add_the_compiled_setups_timings_rank_by_rank():
+    """pool_rounds: a later round's (f) decode steps and end-to-end runs join the first launch's, rank by rank; its
+    (b), a crashed round and a job it did not run add nothing."""
+    from codegen.harness.abrun import pool_rounds, round_jobs
+
+    jobs = [{"name": "f/b1/g0", "family": "f", "batch": 1, "setups": ("stock", "codegen", "compiled")},
+            {"name": "f/b1/g1", "family": "f", "batch": 1, "setups": ("codegen", "native")}]
+    assert round_jobs(jobs) == [{**jobs[0], "setups": ("codegen", "compiled")}]
+
+    def rank(name, decode, crashed=None):
+        compiled = {"crashed": crashed} if crashed else {"decode_s": decode, "e2e_s": [1.0], "ttft_s": [0.1]}
+        return {"jobs": {name: {"ab": {"codegen": {"decode_s": [9.0]}, "compiled": compiled}}}}
+
+    first = [rank("f/b1/g0", [0.1, 0.2]), rank("f/b1/g0", [0.3, 0.4])]
+    pool_rounds(first, [rank("f/b1/g0/r1", [0.5]), rank("f/b1/g0/r1", [0.6])], {"f/b1/g0": "f/b1/g0/r1"})
+    pool_rounds(first, [rank("f/b1/g0/r2", [], "RuntimeError: x")] * 2, {"f/b1/g0": "f/b1/g0/r2"})
+    one = first[1]["jobs"]["f/b1/g0"]["ab"]
+    assert one["compiled"]["decode_s"] == [0.3, 0.4, 0.6] and one["compiled"]["e2e_s"] == [1.0, 1.0]
+    assert one["compiled"]["pooled_rounds"] == 2 and one["codegen"]["decode_s"] == [9.0]
+
+
+@pytest.mark.unit
+def test_a_peers_runs_of_a_family_pool_into_one_row():
+    """pooled_figures: vLLM's runs of a family (one per round) give one row per batch whose medians are over every
+    run's timings; a run that crashed adds nothing, and where none ran the row is the first run's crash."""
+    from codegen.harness.peer import pooled_figures
+
+    run = {"load_s": 9.0, "new_tokens": 16, "e2e_s": [2.0], "ttft_s": [0.5]}
+    row = pooled_figures([run, {**run, "e2e_s": [3.0, 4.0], "ttft_s": [0.5, 0.5]}, {"crashed": "E: x"}], 1)
+    assert row["runs"] == 2 and row["e2e"]["total"]["median"] == 3.0 and row["e2e"]["total"]["n"] == 3
+    assert row["decode"]["median"] == pytest.approx((3.0 - 0.5) / 15)
+    assert pooled_figures([{"crashed": "E: first"}, {"crashed": "E: second"}], 1) == {"crashed": "E: first"}
+
+
 # ------------------------------------------------------------------ the pure parts: order, numerics, ratios
 
 

@@ -49,13 +49,17 @@ def families_of(kind: str) -> tuple[str, ...]:
 
 def run_ab(kind: str, families: tuple[str, ...], tp: int, device: str, root: Path, progress: Progress,
            echo_patch: bool = False, dtype: str = "float32", groups: dict[str, tuple] | None = None,
-           after_launch: Callable[[tuple[str, ...]], None] | None = None) -> tuple[list[dict], list[dict], dict, dict]:
+           after_launch: Callable[[tuple[str, ...]], None] | None = None,
+           rounds: int = 1) -> tuple[list[dict], list[dict], dict, dict]:
     """Build, patch and run the ab phase of every (family, batch) in one launch: (rows, rank records, dirs, the
     machine limits the launches measured: {"tp": ..., "single": ...}, codegen.harness.limits.summary).
 
     `groups` gives, per family, the interleaved groups of setups (default: all of the kind's setups
     in one group); a family run in two groups gets one row, (b)'s figures from the first. `after_launch`: called
-    after each launch (then one per family, failed or not) with the families it ran.
+    after each launch (then one per family, failed or not) with the families it ran. `rounds` > 1 (with
+    `after_launch`): each family's launch and hook are followed by rounds - 1 more of a launch of (b) and (f) alone
+    (`round_jobs`) and the hook again; (f)'s timed decode steps and end-to-end runs of every round are pooled into
+    its row (`pool_rounds`).
     """
     from codegen.harness.examples import shape_of
     from codegen.harness.launcher import launch
@@ -83,8 +87,10 @@ def run_ab(kind: str, families: tuple[str, ...], tp: int, device: str, root: Pat
         progress(f"starting {tp} {device.upper()} ranks ({', '.join(launched)}); every timed step runs each setup "
                  "back to back, in rotating order")
         spec = ab_spec(dirs, [job for job in jobs if job["family"] in launched], tp, device, dtype, settings)
-        # the smoke run (CI) keeps compiled graphs in codegen's cache dir: a later run compiles from it, warm
-        cache = str(codegen_cache() / "inductor") if settings.get("compile_cache_kept") else None
+        # the smoke run (CI) keeps compiled graphs in codegen's cache dir: a later run compiles from it, warm; a run
+        # in rounds keeps the family's in the workdir, so its later rounds' (f) compile from the first one's
+        cache = (str(codegen_cache() / "inductor") if settings.get("compile_cache_kept") else
+                 str(root / "inductor" / launched[0]) if rounds > 1 and per_family else None)
         try:
             launched_ranks = launch(spec, tp, settings["timeout"], progress, what="benchmark", inductor_cache=cache)
         except VerifyFailed as exc:
@@ -94,6 +100,20 @@ def run_ab(kind: str, families: tuple[str, ...], tp: int, device: str, root: Pat
             progress(f"{launched[0]}: not run: {exc}")
             launched_ranks = []
         if after_launch is not None:
+            after_launch(tuple(launched))
+        again = (round_jobs([job for job in jobs if job["family"] in launched])
+                 if launched_ranks and after_launch is not None else [])
+        for r in range(1, rounds if again else 1):
+            progress(f"{launched[0]}: round {r + 1} of {rounds}: (b) and (f) again, then the peer again")
+            named = [{**job, "name": f"{job['name']}/r{r}"} for job in again]
+            try:
+                more = launch(ab_spec(dirs, named, tp, device, dtype, {**settings, "limits": False,
+                                                                        "compile_warm": False}),
+                              tp, settings["timeout"], progress, what=f"benchmark round {r + 1}", inductor_cache=cache)
+            except VerifyFailed as exc:  # the first round's figures stand; said on progress
+                progress(f"{launched[0]}: round {r + 1} not run: {exc}")
+                break
+            pool_rounds(launched_ranks, more, {job["name"]: f"{job['name']}/r{r}" for job in again})
             after_launch(tuple(launched))
         for k, rank in enumerate(launched_ranks):
             measured.append(rank.get("limits") or {})
@@ -156,6 +176,33 @@ def _run_single(dirs: dict, families: tuple[str, ...], device: str, dtype: str, 
         singles.update({(job["family"], job["batch"]): rank["jobs"][job["name"]]["ab"] for job in jobs})
         limits = limits or rank.get("limits") or {}
     return singles, limits
+
+
+#: what a later round of a run in rounds loads: (f) and the (b) it compiles
+ROUND_SETUPS = ("codegen", "compiled")
+#: (f)'s timings a later round adds to the first's (its decode steps, and its end-to-end runs with their first tokens)
+POOLED = ("decode_s", "e2e_s", "ttft_s")
+
+
+def round_jobs(jobs: list[dict]) -> list[dict]:
+    """A later round's jobs: per (family, batch), the first launch's job that ran (f), with (b) and (f) alone."""
+    return [{**job, "setups": ROUND_SETUPS} for job in jobs if "compiled" in job["setups"]]
+
+
+def pool_rounds(first: list[dict], later: list[dict], names: dict[str, str]) -> None:
+    """Add a later round's (f) timings to the first launch's rank records (rank by rank; `names`: first job ->
+    the round's job), so every figure drawn from them is over all rounds; `pooled_rounds` counts them. A round
+    whose (f) crashed or did not run adds nothing."""
+    for mine, theirs in zip(first, later):
+        for job, again in names.items():
+            compiled = mine["jobs"].get(job, {}).get("ab", {}).get("compiled")
+            extra = theirs["jobs"].get(again, {}).get("ab", {}).get("compiled")
+            if not compiled or not extra or compiled.get("crashed") or extra.get("crashed"):
+                continue
+            for key in POOLED:
+                if key in compiled and key in extra:
+                    compiled[key] = list(compiled[key]) + list(extra[key])
+            compiled["pooled_rounds"] = compiled.get("pooled_rounds", 1) + 1
 
 
 def label(family: str) -> str:

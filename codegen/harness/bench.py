@@ -87,9 +87,10 @@ def _startup_baseline(trials: int) -> float:
 
 def run_bench(kind: str, device: str, tp: int, workdir: Path | None, progress: Progress,
               families: tuple[str, ...] | None = None, dtype: str | None = None,
-              after_launch: Callable[[tuple[str, ...]], None] | None = None) -> dict:
+              after_launch: Callable[[tuple[str, ...]], None] | None = None, rounds: int = 1) -> dict:
     """The bench record of `kind`; `after_launch(families)` runs after each rank launch (then one per family) with
-    the families it ran (codegen.harness.peer.run_paired: vLLM on them, right after)."""
+    the families it ran (codegen.harness.peer.run_paired: vLLM on them, right after), `rounds` times per family
+    (codegen.harness.abrun.run_ab)."""
     settings = dict(SETTINGS[kind])
     dtype = dtype or ("bfloat16" if device == "cuda" else "float32")
     families = families or families_of(kind)
@@ -110,7 +111,7 @@ def run_bench(kind: str, device: str, tp: int, workdir: Path | None, progress: P
         compiled = device == "cpu" and not shm_op_cached()
         load_start = _loadavg()
         rows, ranks, dirs, limits = run_ab(kind, families, tp, device, root, progress, dtype=dtype, groups=groups,
-                                              after_launch=after_launch)
+                                              after_launch=after_launch, rounds=rounds)
         load_end = _loadavg()
         for row in rows:
             if row["family"] in memory:

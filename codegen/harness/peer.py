@@ -126,11 +126,14 @@ def run_peer(kind: str, tp: int, dtype: str, root: Path, progress: Progress) -> 
 
 
 def run_paired(kind: str, tp: int, dtype: str, root: Path, workdir: Path | None,
-               progress: Progress) -> tuple[dict, dict]:
+               progress: Progress, rounds: int = 1) -> tuple[dict, dict]:
     """The bench and vLLM family by family: each family's bench launch, then the machine's limits and vLLM on that
     family, so the two runs of a row are minutes apart rather than the bench's whole wall (this machine's bandwidth
-    and each engine's step times moved by up to 1.4x between launches half an hour apart). (bench record, peer
-    record), each marked with the schedule; vLLM's files go to `root`, the bench's as `run_bench` puts them."""
+    and each engine's step times moved by up to 1.4x between launches half an hour apart). `rounds` > 1: then
+    (b) and (f) again and vLLM again, alternating, rounds - 1 more times per family, (f)'s and vLLM's timings pooled
+    over the rounds (a rank's read rate moved 1.5x within minutes on this machine: one moment each decided a row).
+    (bench record, peer record), each marked with the schedule; vLLM's files go to `root`, the bench's as
+    `run_bench` puts them."""
     from codegen.harness.bench import run_bench
 
     started = time.monotonic()
@@ -143,19 +146,24 @@ def run_paired(kind: str, tp: int, dtype: str, root: Path, workdir: Path | None,
             peer.run_family(family)
         done.extend(families)
 
-    bench = run_bench(kind, "cpu", tp, workdir, progress, dtype=dtype, after_launch=beside)
+    bench = run_bench(kind, "cpu", tp, workdir, progress, dtype=dtype, after_launch=beside, rounds=rounds)
     rest = tuple(f for f in peer.families if f not in done)  # the bench's memory plan left them out: vLLM still runs
     if rest:
         beside(rest)
     record = peer.record(time.monotonic() - started)
     for each in (bench, record):
-        each["paired"] = {"peer": PEER, "schedule": PAIRED_SCHEDULE}
+        each["paired"] = {"peer": PEER, "schedule": PAIRED_SCHEDULE, "rounds": rounds,
+                          **({"rounds_schedule": ROUNDS_SCHEDULE} if rounds > 1 else {})}
     return bench, record
 
 
 #: how `bench --peer vllm --paired` interleaves the two runs (both records carry it)
 PAIRED_SCHEDULE = ("family by family: the family's bench launch (its rows, every setup), then the machine's limits "
                    "on the same ranks' cores and vLLM on the same family's checkpoints")
+#: what `--rounds N` adds to it (both records carry it where N > 1)
+ROUNDS_SCHEDULE = ("then, N - 1 more times per family: a launch of (b) and (f) alone ((f) compiled from the first "
+                   "launch's inductor cache), then the machine's limits and vLLM again; (f)'s timed decode steps and "
+                   "end-to-end runs, and vLLM's runs, pooled over the N rounds (each figure a median over them all)")
 
 
 class PeerRun:
@@ -170,7 +178,7 @@ class PeerRun:
         self.built = build_examples(families, self.settings["size"], root, progress,
                                     dtype if self.settings["size"] == "full" else "float32")
         self.measured: list[dict] = []
-        self.rows: list[dict] = []
+        self.runs: dict[str, list[dict]] = {}  # per family, each of its runs' figures: {batch: raw} or {"crashed"}
         self.version: str | None = None
 
     def measure_limits(self) -> None:
@@ -208,25 +216,40 @@ class PeerRun:
         figures = result.get("jobs", {}).get(family) or {"crashed": _crash_line(log)}
         if any(p in figures.get("crashed", "") for p in _POINTERS):  # the engine's pointer: its log has the cause
             figures = {"crashed": _crash_line(log)}
+        run = {}
         for batch in settings["batches"]:
             entry = figures.get(str(batch)) if "crashed" not in figures else figures
-            row = peer_figures(entry or {"crashed": _crash_line(log)}, batch)
-            self.rows.append({"family": family, "label": label(family), "size": settings["size"], "dtype": self.dtype,
-                              "batch": batch, **row})
+            run[str(batch)] = entry or {"crashed": _crash_line(log)}
+            row = peer_figures(run[str(batch)], batch)
             self.progress(f"{family} batch {batch}: " + (f"crashed: {row['crashed']}" if "crashed" in row else
                           f"{row['e2e']['tokens_per_s']:.1f} tokens/s end to end, TTFT "
                           f"{row['e2e']['ttft']['median'] * 1e3:.0f} ms"))
+        self.runs.setdefault(family, []).append(run)
 
     def record(self, wall_s: float) -> dict:
         """The peer record: its rows, and every limits launch's per-rank figures (the lowest of each joins)."""
         settings = self.settings
+        rows = [{"family": family, "label": label(family), "size": settings["size"], "dtype": self.dtype,
+                 "batch": batch, **pooled_figures([run[str(batch)] for run in runs], batch)}
+                for family, runs in self.runs.items() for batch in settings["batches"]]
         record = result_record("bench", self.kind, device="cpu", tp=self.tp, world_size=self.tp, dtype=self.dtype,
                                tolerance=None, settings={k: v for k, v in settings.items() if k != "timeout"},
-                               families=None, problems=[], wall_s=wall_s, rows=self.rows)
+                               families=None, problems=[], wall_s=wall_s, rows=rows)
         record.update(peer=PEER, peer_version=self.version or VLLM_VERSION,
                       machine_limits={"tp": machine_limits.summary(self.measured, self.tp),
                                       "method": machine_limits.METHOD})
         return record
+
+
+def pooled_figures(runs: list[dict], batch: int) -> dict:
+    """One batch's figures over a family's runs (rounds): every run's end-to-end and first-token times pooled, each
+    figure a median over them all (`runs`: how many ran); the first run's crash where none ran."""
+    ran = [run for run in runs if not run.get("crashed")]
+    if not ran:
+        return peer_figures(runs[0], batch)
+    pooled = {"load_s": ran[0].get("load_s"), "new_tokens": ran[0]["new_tokens"],
+              "e2e_s": [t for run in ran for t in run["e2e_s"]], "ttft_s": [t for run in ran for t in run["ttft_s"]]}
+    return {**peer_figures(pooled, batch), "runs": len(ran)}
 
 
 #: an exception line in vLLM's log (its process prefix and log header before it)

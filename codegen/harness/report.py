@@ -307,7 +307,9 @@ def markdown(record_or_merged: dict) -> str:
     lines += ["", "Runs:", ""] + [f"- {_run_line(rec)}" for rec in records]
     lines += [f"- (v) vLLM {p.get('peer_version')} ({size_name(p['settings']['size'])} widths), {p['dtype']}: "
               f"{_machine_line(p)}; {_limits_line(p)}; "
-              + ("run paired with the bench (each family's vLLM run right after its bench launch); "
+              + ("run paired with the bench (each family's vLLM run right after its bench launch"
+                 + (f"; {p['paired']['rounds']} rounds alternating vLLM and (f), both pooled over them"
+                    if p["paired"].get("rounds", 1) > 1 else "") + "); "
                  if p.get("paired") else "")
               + ("joined to the bench rows above" if p.get("joined", True) else f"not joined: {p['not_joined']}")
               for p in record_or_merged.get("peers") or []]

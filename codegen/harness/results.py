@@ -210,6 +210,8 @@ def _setup_figures(rs: list[dict], batch: int, prompt_len: int, limits: list[dic
     figures["token_agreement"] = rs[0]["tokens_agree"] / total if total else None
     if m.get("note"):
         figures["note"] = m["note"]
+    if m.get("pooled_rounds"):  # (f) of a run in rounds: its times are over every round (codegen.harness.abrun)
+        figures["pooled_rounds"] = m["pooled_rounds"]
     if m.get("compile"):  # (f): what compiling cost, cold and from inductor's on-disk cache, the slowest rank
         warm = [r["compile"]["warm_s"] for r in rs]
         figures["compile"] = {"cold_s": max(r["compile"]["cold_s"] for r in rs),
