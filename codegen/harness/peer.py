@@ -141,7 +141,8 @@ def run_paired(kind: str, tp: int, dtype: str, root: Path, workdir: Path | None,
     done: list[str] = []
 
     def beside(families: tuple[str, ...]) -> None:
-        peer.measure_limits()
+        if not set(families) <= set(done):  # a later round: one limits launch per family, as the bench has
+            peer.measure_limits()
         for family in families:
             peer.run_family(family)
         done.extend(families)
@@ -162,8 +163,9 @@ PAIRED_SCHEDULE = ("family by family: the family's bench launch (its rows, every
                    "on the same ranks' cores and vLLM on the same family's checkpoints")
 #: what `--rounds N` adds to it (both records carry it where N > 1)
 ROUNDS_SCHEDULE = ("then, N - 1 more times per family: a launch of (b) and (f) alone ((f) compiled from the first "
-                   "launch's inductor cache), then the machine's limits and vLLM again; (f)'s timed decode steps and "
-                   "end-to-end runs, and vLLM's runs, pooled over the N rounds (each figure a median over them all)")
+                   "launch's inductor cache), then vLLM again (no limits launch on either side); (f)'s timed decode "
+                   "steps and end-to-end runs, and vLLM's runs, pooled over the N rounds (each figure a median over "
+                   "them all)")
 
 
 class PeerRun:
