@@ -318,10 +318,12 @@ def markdown(record_or_merged: dict) -> str:
 
 def _run_line(rec: dict) -> str:
     s = rec["settings"]
+    rounds = (rec.get("paired") or {}).get("rounds", 1)
     return (f"{rec['kind']} ({size_name(s['size'])} widths), {rec['dtype']}, batches {', '.join(map(str, s['batches']))}: "
             f"{s['prompt_len']}-token prompt per sequence, {s['warmup']} warm-up + {s['prefill_repeats']} timed "
-            f"prefills, {s['warmup']} warm-up + {s['decode_steps']} timed decode steps; " + _machine_line(rec)
-            + "; " + _limits_line(rec))
+            f"prefills, {s['warmup']} warm-up + {s['decode_steps']} timed decode steps"
+            + (f" ((f): each of {rounds} rounds', pooled)" if rounds > 1 else "") + "; " + _machine_line(rec) + "; "
+            + _limits_line(rec))
 
 
 def _machine_line(rec: dict) -> str:
