@@ -80,6 +80,7 @@ def run_ab(kind: str, families: tuple[str, ...], tp: int, device: str, root: Pat
     # family whose launch fails (the kernel's OOM killer, a crash) costs its own rows only, said in them
     per_family = settings["size"] == "full" or after_launch is not None
     batches = [[f] for f in families] if per_family else [list(families)]
+    in_rounds = rounds > 1 and after_launch is not None  # later rounds run between the hook's calls
     ranks: list[dict] = []
     measured: list[dict] = []  # every launch's per-rank limits (full widths: one launch per family)
     failed: dict[str, str] = {}  # family: why its launch failed (per-family launches only)
@@ -90,7 +91,7 @@ def run_ab(kind: str, families: tuple[str, ...], tp: int, device: str, root: Pat
         # the smoke run (CI) keeps compiled graphs in codegen's cache dir: a later run compiles from it, warm; a run
         # in rounds keeps the family's in the workdir, so its later rounds' (f) compile from the first one's
         cache = (str(codegen_cache() / "inductor") if settings.get("compile_cache_kept") else
-                 str(root / "inductor" / launched[0]) if rounds > 1 and per_family else None)
+                 str(root / "inductor" / launched[0]) if in_rounds else None)
         try:
             launched_ranks = launch(spec, tp, settings["timeout"], progress, what="benchmark", inductor_cache=cache)
         except VerifyFailed as exc:
@@ -101,8 +102,7 @@ def run_ab(kind: str, families: tuple[str, ...], tp: int, device: str, root: Pat
             launched_ranks = []
         if after_launch is not None:
             after_launch(tuple(launched))
-        again = (round_jobs([job for job in jobs if job["family"] in launched])
-                 if launched_ranks and after_launch is not None else [])
+        again = round_jobs([job for job in jobs if job["family"] in launched]) if in_rounds and launched_ranks else []
         for r in range(1, rounds if again else 1):
             progress(f"{launched[0]}: round {r + 1} of {rounds}: (b) and (f) again, then the peer again")
             named = [{**job, "name": f"{job['name']}/r{r}"} for job in again]
@@ -201,7 +201,7 @@ def pool_rounds(first: list[dict], later: list[dict], names: dict[str, str]) -> 
                 continue
             for key in POOLED:
                 if key in compiled and key in extra:
-                    compiled[key] = list(compiled[key]) + list(extra[key])
+                    compiled[key] = compiled[key] + extra[key]
             compiled["pooled_rounds"] = compiled.get("pooled_rounds", 1) + 1
 
 
