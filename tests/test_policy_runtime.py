@@ -2025,6 +2025,34 @@ def test_the_dense_kernel_is_torchs_linear(rows, threads):
         assert torch.allclose(narrow, narrow_want, atol=1e-4, rtol=1e-5)
 
 
+def test_a_prompts_rows_by_a_weight_in_cache_are_onednns_product():
+    """`ONEDNN_ROWS` or more float32 rows by a weight below `DENSE_KERNEL_WIDE_WEIGHT` elements are oneDNN's linear op,
+    exactly, with and without a bias and on strided rows (within float32 sums of torch's own product); with autograd on,
+    by a strided weight or in bfloat16 they are torch's own product, exactly, as fewer rows are."""
+    assert rt.ONEDNN_LINEAR, "this torch has no oneDNN linear op"
+    torch.manual_seed(0)
+    weight, bias = torch.randn(384, 256), torch.randn(384)
+    assert weight.numel() < rt.DENSE_KERNEL_WIDE_WEIGHT
+    hidden = torch.randn(2, rt.ONEDNN_ROWS // 2 + 3, 264)
+    rows = hidden[..., 4:260]  # strided, as x[..., shard] is
+    onednn = torch.ops.mkldnn._linear_pointwise
+    with torch.no_grad():
+        for b in (None, bias):
+            got = rt.linear_rows(rows, weight, b)
+            assert got.shape == (2, rt.ONEDNN_ROWS // 2 + 3, 384)
+            assert torch.equal(got, onednn(rows.contiguous(), weight, b, "none", [], ""))
+            want = torch.nn.functional.linear(rows, weight, b)
+            assert torch.allclose(got, want, atol=1e-4, rtol=1e-5), (got - want).abs().max()
+        strided_weight = torch.randn(384, 300)[:, :256]
+        assert torch.equal(rt.linear_rows(rows, strided_weight), torch.nn.functional.linear(rows, strided_weight))
+        half = rows.bfloat16(), weight.bfloat16()
+        assert torch.equal(rt.linear_rows(*half), torch.nn.functional.linear(*half))
+        few = rows[:, :rt.DENSE_KERNEL_ROWS // 2]  # 64 rows, more than the kernel's 16 by a weight in cache
+        assert torch.equal(rt.linear_rows(few, weight), torch.nn.functional.linear(few, weight))
+    with torch.enable_grad():
+        assert torch.equal(rt.linear_rows(rows, weight, bias), torch.nn.functional.linear(rows, weight, bias))
+
+
 def test_compiled_ranks_run_float32_dense_products_on_the_dense_kernel():
     """`F.linear(x, w, b)` and DeepSpeed's `x @ w.transpose(-1, -2)` in float32 on CPU become `codegen::linear_rows`
     (with `w` taken back to (out, in)); a bfloat16 product and a product by a matrix whose rows are contiguous stay

@@ -39,7 +39,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'longcat_flash', 'moe_classes': ['LongcatFlashMoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_size', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': [], 'routers': ['router'], 'attention_replicated': ['q_a_proj', 'kv_a_proj_with_mqa'], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'expert_ffn_hidden_size', 'ffn_hidden_size'], 'linear_attention': None, 'identity_experts': ['Identity'], 'latent_attention': {'expand': 'expand_kv', 'up_projection': 'kv_b_proj', 'nope_width': 'qk_nope_head_dim', 'value_width': 'v_head_dim', 'selected_keys': 'indices'}}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_longcat_flash'
-RUNTIME_SHA256 = '333cb449c96c71da18f7056e4495ced280dfa748a773da168f72cb43d2781e1d'
+RUNTIME_SHA256 = 'f0909ae5dc3310ede0c0f1f0950fd0af28fc7119ff92d71e5a3499dda5419153'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -1876,7 +1876,8 @@ decode step at batch 16 on 2 ranks (full widths, 2 layers) went from 119-129 to 
 are one vector's lanes (`linear_lanes_span`): the tile's reloads of x from L2 stalled the weight's stream (16 rows, a
 full-width Qwen1.5-MoE layer's dense products streamed from memory: 12.0 -> 9.0-9.5 ms). From 17 to 64 rows (a
 short prompt's prefill) they are the lanes of 2-4 vectors (`linear_wide_span`), where torch's BLAS packs the weight on
-every call: the same products at 64 rows, 33-37 -> 27 ms.
+every call: the same products at 64 rows, 33-37 -> 27 ms. A longer prompt's rows by a weight small enough to sit in
+cache are oneDNN's sgemm (`ONEDNN_ROWS`), which outruns torch's MKL there on an AMD EPYC.
 
 And eager attention (codegen.policy.runtime.eager_attention): a decode step's (`decode_attention`: one new token
 per row over its cached keys, each kv head's keys and values read once for its query heads) and a prefill's
@@ -1914,6 +1915,12 @@ DENSE_KERNEL_ROWS = 64
 #: (17-64 rows, 256x2048 to 5632x2048: 1.1-1.6x torch's product), and BLAS's packing and microkernel win where it sits
 #: in cache, as a toy model's do (512x512 in cache: 0.7-1.0x)
 DENSE_KERNEL_WIDE_WEIGHT = 1 << 20
+#: the least rows a float32 product the kernel does not take (a prompt's rows by a weight that sits in cache) goes to
+#: oneDNN by, rather than to torch's BLAS (MKL): oneDNN's sgemm runs from here on at 0.94-1.13x MKL's speed on an AMD
+#: EPYC (AVX-512, one thread, weights of 32x512 to 1024x1024), 1.07-1.26x from 512 rows; below, MKL wins up to 2x
+ONEDNN_ROWS = 128
+#: whether this torch has oneDNN's linear op (torch's x86 and Arm CPU wheels do; inductor uses it)
+ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 #: the torch.library Libraries the runtime's ops are defined through, alive as long as the process (their ops go
@@ -3238,8 +3245,9 @@ def linear_rows(input, weight, bias=None):
     contiguous: a decode step's or a prompt's rows through its dense loop, 1..`SMALL_GROUP_ROWS` rows, or any by a
     weight of `DENSE_KERNEL_WIDE_WEIGHT` elements or more (past `DENSE_KERNEL_ROWS` in chunks of at most that many),
     which outruns torch's BLAS there (AMD EPYC, AVX-512, one thread, 1024 rows by a full-width Qwen1.5-MoE layer's
-    dense weights from memory in huge pages: 108 GFLOP/s, `F.linear` 90-93); any other call is torch's own (a small
-    weight sits in cache, where BLAS's packing wins).
+    dense weights from memory in huge pages: 108 GFLOP/s, `F.linear` 90-93). A prompt's `ONEDNN_ROWS` or more rows by a
+    smaller weight (in cache, where packing wins) go to oneDNN's sgemm (the same machine, a batch-16 prefill of toy
+    GPT-OSS and Qwen1.5-MoE widths on 2 ranks: 282 -> 263 and 311 -> 287 ms); any other call is torch's own.
     It runs for every dense product of a decode step, so its checks are plain attribute reads (a call costs about
     what `F.linear`'s dispatch does)."""
     width, f32 = input.shape[-1], torch.float32
@@ -3251,6 +3259,9 @@ def linear_rows(input, weight, bias=None):
              and (bias is None or (bias.is_cpu and bias.dtype is f32 and bias.shape == weight.shape[:1])))
     kernel = grouped_mm_kernel() if takes else None
     if kernel is None:
+        if rows >= ONEDNN_ROWS and _onednn_takes(input, weight, bias):
+            return torch.ops.mkldnn._linear_pointwise(input if input.is_contiguous() else input.contiguous(), weight,
+                                                      bias, "none", [], "")
         return torch.nn.functional.linear(input, weight, bias)
     x = input.view(rows, width) if input.is_contiguous() else input.reshape(rows, width)
     if x.stride(1) != 1:
@@ -3264,6 +3275,17 @@ def linear_rows(input, weight, bias=None):
     if status != 0:
         return torch.nn.functional.linear(input, weight, bias)
     return out
+
+
+def _onednn_takes(input, weight, bias):
+    """Whether oneDNN's linear op computes `F.linear(input, weight, bias)` here: float32 on CPU, a contiguous (out, in)
+    weight and a bias of its outputs, outside autograd (the op has no backward)."""
+    f32 = torch.float32
+    return (ONEDNN_LINEAR and input.is_cpu and weight.is_cpu and input.dtype is f32 and weight.dtype is f32
+            and weight.dim() == 2 and weight.is_contiguous() and input.shape[-1] == weight.shape[1]
+            and (bias is None or (bias.is_cpu and bias.dtype is f32 and bias.shape == weight.shape[:1]
+                                  and bias.is_contiguous()))
+            and not torch.is_grad_enabled())
 
 
 # ---- codegen/policy/runtime/experts_implementation.py ----
@@ -3902,7 +3924,8 @@ def register_ops():
     one matmul per expert that has rows against 7.2-9.3 ms.
     `linear_rows`: `F.linear(input, weight, bias)`; a decode step's 1-16 rows by the C kernel's dense loop, which
     streams the weight once for all of them where torch's BLAS (and inductor, which calls it) reads 16 rows at a
-    third of the read bandwidth, and a short prompt's 17-64 rows, where BLAS packs the weight on every call."""
+    third of the read bandwidth, and a short prompt's 17-64 rows, where BLAS packs the weight on every call; a longer
+    prompt's rows by a weight in cache by oneDNN's sgemm."""
     if hasattr(torch.ops.codegen, "tp_all_reduce"):
         return
     define_op(TP_ALL_REDUCE, "Tensor(a!) tensor, Tensor? after", _tp_all_reduce, lambda tensor, after: None,

@@ -98,7 +98,8 @@ def register_ops():
     one matmul per expert that has rows against 7.2-9.3 ms.
     `linear_rows`: `F.linear(input, weight, bias)`; a decode step's 1-16 rows by the C kernel's dense loop, which
     streams the weight once for all of them where torch's BLAS (and inductor, which calls it) reads 16 rows at a
-    third of the read bandwidth, and a short prompt's 17-64 rows, where BLAS packs the weight on every call."""
+    third of the read bandwidth, and a short prompt's 17-64 rows, where BLAS packs the weight on every call; a longer
+    prompt's rows by a weight in cache by oneDNN's sgemm."""
     if hasattr(torch.ops.codegen, "tp_all_reduce"):
         return
     define_op(TP_ALL_REDUCE, "Tensor(a!) tensor, Tensor? after", _tp_all_reduce, lambda tensor, after: None,
