@@ -39,7 +39,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'exaone_moe', 'moe_classes': ['ExaoneMoeSparseMoEBlock'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_exaone_moe'
-RUNTIME_SHA256 = 'f0909ae5dc3310ede0c0f1f0950fd0af28fc7119ff92d71e5a3499dda5419153'
+RUNTIME_SHA256 = '64203952c07c5c1230905055efcf0fdd64ba70ae8ad9878a2c25e3b4b4489f87'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -1916,8 +1916,9 @@ DENSE_KERNEL_ROWS = 64
 #: in cache, as a toy model's do (512x512 in cache: 0.7-1.0x)
 DENSE_KERNEL_WIDE_WEIGHT = 1 << 20
 #: the least rows a float32 product the kernel does not take (a prompt's rows by a weight that sits in cache) goes to
-#: oneDNN by, rather than to torch's BLAS (MKL): oneDNN's sgemm runs from here on at 0.94-1.13x MKL's speed on an AMD
-#: EPYC (AVX-512, one thread, weights of 32x512 to 1024x1024), 1.07-1.26x from 512 rows; below, MKL wins up to 2x
+#: oneDNN by, rather than to torch's BLAS (MKL): oneDNN's sgemm runs here at 0.94-1.13x MKL's speed on an AMD EPYC
+#: (AVX-512, one thread, weights of 32x512 to 1024x1024; 0.78x for the 32x512 one with a bias), 0.95-1.27x from 512
+#: rows; at 17-64 rows MKL wins, up to 2x
 ONEDNN_ROWS = 128
 #: whether this torch has oneDNN's linear op (torch's x86 and Arm CPU wheels do; inductor uses it)
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")

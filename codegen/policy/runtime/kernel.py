@@ -77,8 +77,9 @@ DENSE_KERNEL_ROWS = 64
 #: in cache, as a toy model's do (512x512 in cache: 0.7-1.0x)
 DENSE_KERNEL_WIDE_WEIGHT = 1 << 20
 #: the least rows a float32 product the kernel does not take (a prompt's rows by a weight that sits in cache) goes to
-#: oneDNN by, rather than to torch's BLAS (MKL): oneDNN's sgemm runs from here on at 0.94-1.13x MKL's speed on an AMD
-#: EPYC (AVX-512, one thread, weights of 32x512 to 1024x1024), 1.07-1.26x from 512 rows; below, MKL wins up to 2x
+#: oneDNN by, rather than to torch's BLAS (MKL): oneDNN's sgemm runs here at 0.94-1.13x MKL's speed on an AMD EPYC
+#: (AVX-512, one thread, weights of 32x512 to 1024x1024; 0.78x for the 32x512 one with a bias), 0.95-1.27x from 512
+#: rows; at 17-64 rows MKL wins, up to 2x
 ONEDNN_ROWS = 128
 #: whether this torch has oneDNN's linear op (torch's x86 and Arm CPU wheels do; inductor uses it)
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
