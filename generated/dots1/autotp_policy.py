@@ -39,7 +39,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'dots1', 'moe_classes': ['Dots1MoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_dots1'
-RUNTIME_SHA256 = '64203952c07c5c1230905055efcf0fdd64ba70ae8ad9878a2c25e3b4b4489f87'
+RUNTIME_SHA256 = 'a636250b12ba9a0f72f440a89579039468b70b0ed6a225e30acc20c2a97e55b9'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -3254,13 +3254,16 @@ def linear_rows(input, weight, bias=None):
     width, f32 = input.shape[-1], torch.float32
     rows = input.numel() // width if width else 0
     wide = weight.numel() >= DENSE_KERNEL_WIDE_WEIGHT
-    takes = (1 <= rows and (wide or rows <= SMALL_GROUP_ROWS) and input.is_cpu and weight.is_cpu
-             and input.dtype is f32 and weight.dtype is f32 and weight.dim() == 2 and weight.stride(1) == 1
+    # a float32 (out, in) product on CPU with a bias of its outputs: what the kernel and oneDNN's op both compute
+    dense = (input.is_cpu and weight.is_cpu and input.dtype is f32 and weight.dtype is f32 and weight.dim() == 2
              and weight.shape[1] == width
              and (bias is None or (bias.is_cpu and bias.dtype is f32 and bias.shape == weight.shape[:1])))
+    takes = 1 <= rows and (wide or rows <= SMALL_GROUP_ROWS) and dense and weight.stride(1) == 1
     kernel = grouped_mm_kernel() if takes else None
     if kernel is None:
-        if rows >= ONEDNN_ROWS and _onednn_takes(input, weight, bias):
+        # oneDNN's op takes contiguous weights and biases only, and has no backward
+        if (rows >= ONEDNN_ROWS and dense and ONEDNN_LINEAR and weight.is_contiguous()
+                and (bias is None or bias.is_contiguous()) and not torch.is_grad_enabled()):
             return torch.ops.mkldnn._linear_pointwise(input if input.is_contiguous() else input.contiguous(), weight,
                                                       bias, "none", [], "")
         return torch.nn.functional.linear(input, weight, bias)
@@ -3277,16 +3280,6 @@ def linear_rows(input, weight, bias=None):
         return torch.nn.functional.linear(input, weight, bias)
     return out
 
-
-def _onednn_takes(input, weight, bias):
-    """Whether oneDNN's linear op computes `F.linear(input, weight, bias)` here: float32 on CPU, a contiguous (out, in)
-    weight and a bias of its outputs, outside autograd (the op has no backward)."""
-    f32 = torch.float32
-    return (ONEDNN_LINEAR and input.is_cpu and weight.is_cpu and input.dtype is f32 and weight.dtype is f32
-            and weight.dim() == 2 and weight.is_contiguous() and input.shape[-1] == weight.shape[1]
-            and (bias is None or (bias.is_cpu and bias.dtype is f32 and bias.shape == weight.shape[:1]
-                                  and bias.is_contiguous()))
-            and not torch.is_grad_enabled())
 
 
 # ---- codegen/policy/runtime/experts_implementation.py ----

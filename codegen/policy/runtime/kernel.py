@@ -1415,13 +1415,16 @@ def linear_rows(input, weight, bias=None):
     width, f32 = input.shape[-1], torch.float32
     rows = input.numel() // width if width else 0
     wide = weight.numel() >= DENSE_KERNEL_WIDE_WEIGHT
-    takes = (1 <= rows and (wide or rows <= SMALL_GROUP_ROWS) and input.is_cpu and weight.is_cpu
-             and input.dtype is f32 and weight.dtype is f32 and weight.dim() == 2 and weight.stride(1) == 1
+    # a float32 (out, in) product on CPU with a bias of its outputs: what the kernel and oneDNN's op both compute
+    dense = (input.is_cpu and weight.is_cpu and input.dtype is f32 and weight.dtype is f32 and weight.dim() == 2
              and weight.shape[1] == width
              and (bias is None or (bias.is_cpu and bias.dtype is f32 and bias.shape == weight.shape[:1])))
+    takes = 1 <= rows and (wide or rows <= SMALL_GROUP_ROWS) and dense and weight.stride(1) == 1
     kernel = grouped_mm_kernel() if takes else None
     if kernel is None:
-        if rows >= ONEDNN_ROWS and _onednn_takes(input, weight, bias):
+        # oneDNN's op takes contiguous weights and biases only, and has no backward
+        if (rows >= ONEDNN_ROWS and dense and ONEDNN_LINEAR and weight.is_contiguous()
+                and (bias is None or bias.is_contiguous()) and not torch.is_grad_enabled()):
             return torch.ops.mkldnn._linear_pointwise(input if input.is_contiguous() else input.contiguous(), weight,
                                                       bias, "none", [], "")
         return torch.nn.functional.linear(input, weight, bias)
@@ -1438,13 +1441,3 @@ def linear_rows(input, weight, bias=None):
         return torch.nn.functional.linear(input, weight, bias)
     return out
 
-
-def _onednn_takes(input, weight, bias):
-    """Whether oneDNN's linear op computes `F.linear(input, weight, bias)` here: float32 on CPU, a contiguous (out, in)
-    weight and a bias of its outputs, outside autograd (the op has no backward)."""
-    f32 = torch.float32
-    return (ONEDNN_LINEAR and input.is_cpu and weight.is_cpu and input.dtype is f32 and weight.dtype is f32
-            and weight.dim() == 2 and weight.is_contiguous() and input.shape[-1] == weight.shape[1]
-            and (bias is None or (bias.is_cpu and bias.dtype is f32 and bias.shape == weight.shape[:1]
-                                  and bias.is_contiguous()))
-            and not torch.is_grad_enabled())
