@@ -690,6 +690,26 @@ def test_a_peers_runs_of_a_family_pool_into_one_row():
     assert row["runs"] == 2 and row["e2e"]["total"]["median"] == 3.0 and row["e2e"]["total"]["n"] == 3
     assert row["decode"]["median"] == pytest.approx((3.0 - 0.5) / 15)
     assert pooled_figures([{"crashed": "E: first"}, {"crashed": "E: second"}], 1) == {"crashed": "E: first"}
+    # a runner that timed the engine's steps: their median over every run, the derived figure kept beside it
+    stepped = pooled_figures([{**run, "step_s": [0.07, 0.08, 0.09]}, {**run, "step_s": [0.06, 0.10]}], 16)
+    assert stepped["decode"]["median"] == pytest.approx(0.08) and stepped["decode"]["n"] == 5
+    assert stepped["decode"]["e2e_minus_ttft"] == pytest.approx((2.0 - 0.5) / 15)
+    assert stepped["decode_tokens_per_s"] == pytest.approx(16 / 0.08)
+
+
+@pytest.mark.unit
+def test_a_peers_decode_step_is_its_timed_steps_not_a_difference_that_the_prefill_moves():
+    """peer_figures: where the runner timed vLLM's engine steps, a slow or fast prefill in one run does not move the
+    decode step (the derivation from two runs' medians did: the full-width DeepSeek-V2-Lite-like row's 58.5 ms)."""
+    from codegen.harness.results import PEER_STEPS_DERIVED, PEER_STEPS_TIMED, peer_figures
+
+    raw = {"new_tokens": 16, "e2e_s": [2.75, 2.82], "ttft_s": [1.79, 2.03], "step_s": [0.067, 0.068, 0.071]}
+    timed = peer_figures(raw, 16)["decode"]
+    assert timed["median"] == pytest.approx(0.068) and timed["derived_from"] == PEER_STEPS_TIMED
+    faster_prefill = peer_figures({**raw, "ttft_s": [1.79, 1.79]}, 16)["decode"]
+    assert faster_prefill["median"] == timed["median"] and faster_prefill["e2e_minus_ttft"] != timed["e2e_minus_ttft"]
+    older = peer_figures({k: v for k, v in raw.items() if k != "step_s"}, 16)["decode"]
+    assert older == {"median": pytest.approx((2.785 - 1.91) / 15), "derived_from": PEER_STEPS_DERIVED}
 
 
 # ------------------------------------------------------------------ the pure parts: order, numerics, ratios

@@ -244,13 +244,14 @@ class PeerRun:
 
 
 def pooled_figures(runs: list[dict], batch: int) -> dict:
-    """One batch's figures over a family's runs (rounds): every run's end-to-end and first-token times pooled, each
-    figure a median over them all (`runs`: how many ran); the first run's crash where none ran."""
+    """One batch's figures over a family's runs (rounds): every run's end-to-end, first-token and step times pooled,
+    each figure a median over them all (`runs`: how many ran); the first run's crash where none ran."""
     ran = [run for run in runs if not run.get("crashed")]
     if not ran:
         return peer_figures(runs[0], batch)
     pooled = {"load_s": ran[0].get("load_s"), "new_tokens": ran[0]["new_tokens"],
-              "e2e_s": [t for run in ran for t in run["e2e_s"]], "ttft_s": [t for run in ran for t in run["ttft_s"]]}
+              "e2e_s": [t for run in ran for t in run["e2e_s"]], "ttft_s": [t for run in ran for t in run["ttft_s"]],
+              "step_s": [t for run in ran for t in run.get("step_s", [])]}
     return {**peer_figures(pooled, batch), "runs": len(ran)}
 
 

@@ -144,17 +144,27 @@ def _ratio(b: float, a: float) -> float | None:
     return b / a if a else None
 
 
+#: how a peer's decode step is timed: its engine's steps themselves, or (records before them) derived
+PEER_STEPS_TIMED = "the engine's steps once every sequence has its first token (inter-token latency)"
+PEER_STEPS_DERIVED = "(e2e - ttft) / (new_tokens - 1)"
+
+
 def peer_figures(raw: dict, batch: int) -> dict:
     """A peer engine's per-batch figures (its runner's flat timings) in the shape of a bench setup's, so every
-    reader takes (v) as it takes (b) or (e): `decode.median` (vLLM: (end to end - TTFT) / (new tokens - 1), an
-    engine step with its scheduling and sampling) and `e2e` with `total`, `ttft` and `tokens_per_s`."""
+    reader takes (v) as it takes (b) or (e): `decode` (vLLM: the median of its timed engine steps, each with its
+    scheduling and sampling, where the runner timed them; else (end to end - TTFT) / (new tokens - 1), which the
+    prefill's spread moves) and `e2e` with `total`, `ttft` and `tokens_per_s`."""
     if raw.get("crashed"):
         return {"crashed": raw["crashed"]}
     totals, ttfts, new = raw["e2e_s"], raw["ttft_s"], raw["new_tokens"]
     e2e, ttft = spread(totals), spread(ttfts)
-    step = (e2e["median"] - ttft["median"]) / (new - 1) if new > 1 else None
-    return {"load_s": raw.get("load_s"),
-            "decode": {"median": step, "derived_from": "(e2e - ttft) / (new_tokens - 1)"},
+    derived = (e2e["median"] - ttft["median"]) / (new - 1) if new > 1 else None
+    if raw.get("step_s"):
+        decode = {**spread(raw["step_s"]), "derived_from": PEER_STEPS_TIMED, "e2e_minus_ttft": derived}
+    else:
+        decode = {"median": derived, "derived_from": PEER_STEPS_DERIVED}
+    step = decode["median"]
+    return {"load_s": raw.get("load_s"), "decode": decode,
             "decode_tokens_per_s": batch / step if step else None,
             "e2e": {"new_tokens": new, "total": e2e, "ttft": ttft,
                     "tokens_per_s": batch * new / e2e["median"] if e2e["median"] else None}}

@@ -3,8 +3,12 @@
 codegen.harness.peer runs `main(SPEC.json, OUT.json)` of this file (`runpy.run_path`) with that venv's Python. SPEC: {"tp", "dtype", "repeats", "jobs": [{"name", "model",
 "batches": {batch: [[token ids], ...]}, "new_tokens"}]}. Per job (one checkpoint, loaded once) and batch: end-to-end
 greedy generation (prompt in, `new_tokens` out, EOS ignored) timed around `LLM.generate`, and the same with one new
-token (time to first token); a decode step is their difference over the remaining tokens. A job vLLM cannot load or run records its error line and the others
-go on. Standard library and vLLM only: codegen is not installed in that environment.
+token (time to first token). A decode step is timed in a third run of its own, stepping the engine as `LLM.generate`
+does: the times between its outputs once every sequence has its first token (vLLM's inter-token latency). The
+difference of the two generate runs over the remaining tokens (the earlier figure) moved with the spread of the
+prefill: at batch 16 of the full-width DeepSeek-V2-Lite-like model, first tokens 1.79 and 2.03 s apart made its
+step 51 or 67 ms, where the stepped run gave 67-71 ms. A job vLLM cannot load or run records its error line and the
+others go on. Standard library and vLLM only: codegen is not installed in that environment.
 """
 
 import gc
@@ -22,6 +26,26 @@ def _timed(llm, prompts, sampling) -> float:
     t0 = time.perf_counter()
     llm.generate(prompts, sampling, use_tqdm=False)
     return time.perf_counter() - t0
+
+
+def _step_times(llm, prompts, sampling, run: str) -> list[float]:
+    """The times between the engine's outputs once every sequence has its first token: its decode steps, each with
+    its scheduling, sampling and output processing (`LLM.generate` steps the engine in this same loop)."""
+    from vllm.sampling_params import RequestOutputKind
+
+    engine, sampling = llm.llm_engine, sampling.clone()
+    sampling.output_kind = RequestOutputKind.DELTA  # an output every step (the default is the finished sequence)
+    for k, prompt in enumerate(prompts):
+        engine.add_request(f"step-{run}-{k}", prompt, sampling)
+    started, arrivals = set(), []
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        if outputs:
+            now = time.perf_counter()
+            started.update(o.request_id for o in outputs if o.outputs and o.outputs[0].token_ids)
+            if len(started) == len(prompts):
+                arrivals.append(now)
+    return [b - a for a, b in zip(arrivals, arrivals[1:])]
 
 
 def run_job(job: dict, spec: dict) -> dict:
@@ -42,13 +66,14 @@ def run_job(job: dict, spec: dict) -> dict:
     out = {}
     for batch, prompts in batches.items():
         _timed(llm, prompts, full)  # warm-up
-        totals, ttfts = [], []
-        for _ in range(spec["repeats"]):
+        totals, ttfts, steps = [], [], []
+        for repeat in range(spec["repeats"]):
             ttfts.append(_timed(llm, prompts, first))
             totals.append(_timed(llm, prompts, full))
+            steps.extend(_step_times(llm, prompts, full, f"{batch}-{repeat}"))
         total, ttft = statistics.median(totals), statistics.median(ttfts)
-        out[batch] = {"load_s": load_s, "e2e_s": totals, "ttft_s": ttfts, "e2e_median_s": total,
-                      "ttft_median_s": ttft, "decode_step_s": (total - ttft) / (new - 1) if new > 1 else None,
+        out[batch] = {"load_s": load_s, "e2e_s": totals, "ttft_s": ttfts, "step_s": steps, "e2e_median_s": total,
+                      "ttft_median_s": ttft, "decode_step_s": statistics.median(steps) if steps else None,
                       "e2e_tokens_per_s": len(prompts) * new / total if total else None, "new_tokens": new}
     del llm
     gc.collect()
