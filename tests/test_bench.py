@@ -468,7 +468,12 @@ def test_merge_joins_a_peer_record_to_the_rows_it_ran_beside(tmp_path):
     assert "b/v decode, e2e" in table and " / crash |" in table and "joined to the bench rows above" in table
     assert "run paired with the bench" not in table
     paired = markdown(peer_record("peer-vllm-p.json", paired={"peer": PEER, "schedule": "family by family"}))
-    assert "run paired with the bench (each family's vLLM run right after its bench launch); joined" in paired
+    assert ("run paired with the bench (each family's vLLM run right after its bench launch); decode step: "
+            "(e2e - ttft) / (new_tokens - 1); joined") in paired
+    # a runner that timed vLLM's engine steps: the line says so
+    stepped_rows = [{**peer_rows[0], **peer_figures({**runner, "step_s": [0.1, 0.12]}, rows[0]["batch"])}]
+    stepped = markdown(peer_record("peer-vllm-s.json", rows=stepped_rows))
+    assert "decode step: the engine's steps once every sequence has its first token (inter-token latency)" in stepped
     b = rows[0]["codegen"]["decode"]["median"]
     assert f"{b / 0.1:.2f}×" in table
 

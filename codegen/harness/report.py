@@ -311,9 +311,16 @@ def markdown(record_or_merged: dict) -> str:
                  + (f"; {p['paired']['rounds']} rounds alternating vLLM and (f), both pooled over them"
                     if p["paired"].get("rounds", 1) > 1 else "") + "); "
                  if p.get("paired") else "")
+              + _peer_step_line(p)
               + ("joined to the bench rows above" if p.get("joined", True) else f"not joined: {p['not_joined']}")
               for p in record_or_merged.get("peers") or []]
     return "\n".join(lines) + "\n"
+
+
+def _peer_step_line(peer: dict) -> str:
+    """How the peer's decode step was timed (records before the engine's steps were timed derive it)."""
+    methods = peer.get("decode_step_from") or []
+    return f"decode step: {' and '.join(methods)}; " if methods else ""
 
 
 def _run_line(rec: dict) -> str:
@@ -436,6 +443,7 @@ def merge(paths: list[Path]) -> dict:
                     if all(row.get(k) == peer_row.get(k) for k in ("family", "size", "dtype", "batch")):
                         row[PEER] = peer_row
         meta = {k: v for k, v in peer.items() if k != "rows"}
+        meta["decode_step_from"] = sorted({(r.get("decode") or {}).get("derived_from") for r in peer["rows"]} - {None})
         joined.append({**meta, "joined": True} if comparable else {**meta, "joined": False, "not_joined": why_not})
     return {"tool": f"codegen {__version__} bench (merged)", "runs": runs, **({"peers": joined} if peers else {})}
 
