@@ -39,7 +39,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'qwen3_omni_moe', 'moe_classes': ['Qwen3OmniMoeThinkerTextSparseMoeBlock'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': [], 'routers': ['gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': ['audio_tower', 'visual'], 'text_submodule': 'thinker', 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_qwen3_omni_moe'
-RUNTIME_SHA256 = 'a430db405d716e2c227d4122385ba33c234398821378c0c935bd500fb9c9649d'
+RUNTIME_SHA256 = 'ff626862756a63286d9f7afecbaf761167c834388f93fae36c5dffb080c97503'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -1961,7 +1961,7 @@ _HEAD = r"""
    while they sum this one, in its memory order: two fit in L2 beside the rows, and a prefill's few rows per expert
    then run from cache, where each expert's weight started cold. Measured on the AMD EPYC (AVX-512), one thread, a
    128-token prompt's experts at the toy widths (hidden 512, experts of 64 at TP=2, 5-9 rows each): 2.2-5.5 ->
-   1.7-4.5 ms a layer (Qwen1.5-MoE, DeepSeek-V2, Qwen3-MoE; GPT-OSS and Qwen3.5, 16-32 rows each: 4-7%); decode
+   1.7-4.5 ms a layer (Qwen1.5-MoE, DeepSeek-V2, Qwen3-MoE; GPT-OSS and Qwen3.5, 16 rows each: 4-7%); decode
    steps and 2048-token prompts unchanged. A published width's expert (several MiB) keeps the loops' own
    look-ahead. */
 #define PREFETCH_NEXT_BYTES (512 * 1024)
@@ -2473,16 +2473,16 @@ static void by_weight_rows_blocked(const float *x, int64_t ldx, const float *w, 
     }
 }
 
-/* Up to STREAMED_ROWS rows (a decode step's experts) by a row-major float32 weight: STREAMED_DEPTH weight rows at
-   a time, their columns in one pass, each weight vector loaded once for every row and added into the rows' sums in
+/* Up to STREAMED_ROWS rows (a decode step's experts) by a row-major float32 weight: STREAMED_DEPTH weight rows at a
+   time, their columns in one pass, each weight vector loaded once for every row and added into the rows' sums in
    `out` (in L1 or L2); the weight rows STREAMED_AHEAD rows on are fetched into L2 on the way, which the hardware's
-   own prefetch does not keep up with here. Eight weight rows a pass, over every column of the weight (a task of one
-   thread's), where it was four over strips of BLOCKED_COLUMNS: the sums are read and written half as often, and
-   the weight streams in its memory order instead of strips of rows 5-11 KiB apart (a strip of 64 columns read 256
-   bytes of each row). Measured on the AMD EPYC (AVX-512), one thread, weights from memory in huge pages, one
-   layer's hit experts at TP=2 widths, one row each: gpt-oss-20b 19.3 -> 22.5 GB/s, Qwen3-MoE 17.6 -> 19.7,
-   Qwen1.5-MoE 18.4 -> 20.9 (torch's sum of the same weights: 25-26); the loop alone on a 2880 x 2880 weight,
-   1 / 4 rows: 17.1 / 13.0 -> 24.5 / 19.0 GB/s. */
+   own prefetch does not keep up with here (or, given `next`, the next expert's weight: PREFETCH_NEXT_BYTES). Eight
+   weight rows a pass, over every column of the weight (a task of one thread's), where it was four over strips of
+   BLOCKED_COLUMNS: the sums are read and written half as often, and the weight streams in its memory order instead
+   of strips of rows 5-11 KiB apart (a strip of 64 columns read 256 bytes of each row). Measured on the AMD EPYC
+   (AVX-512), one thread, weights from memory in huge pages, one layer's hit experts at TP=2 widths, one row each:
+   gpt-oss-20b 19.3 -> 22.5 GB/s, Qwen3-MoE 17.6 -> 19.7, Qwen1.5-MoE 18.4 -> 20.9 (torch's sum of the same weights:
+   25-26); the loop alone on a 2880 x 2880 weight, 1 / 4 rows: 17.1 / 13.0 -> 24.5 / 19.0 GB/s. */
 #define STREAMED_ROWS 4
 #define STREAMED_AHEAD 16
 #define STREAMED_DEPTH 8

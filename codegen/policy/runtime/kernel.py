@@ -122,7 +122,7 @@ _HEAD = r"""
    while they sum this one, in its memory order: two fit in L2 beside the rows, and a prefill's few rows per expert
    then run from cache, where each expert's weight started cold. Measured on the AMD EPYC (AVX-512), one thread, a
    128-token prompt's experts at the toy widths (hidden 512, experts of 64 at TP=2, 5-9 rows each): 2.2-5.5 ->
-   1.7-4.5 ms a layer (Qwen1.5-MoE, DeepSeek-V2, Qwen3-MoE; GPT-OSS and Qwen3.5, 16-32 rows each: 4-7%); decode
+   1.7-4.5 ms a layer (Qwen1.5-MoE, DeepSeek-V2, Qwen3-MoE; GPT-OSS and Qwen3.5, 16 rows each: 4-7%); decode
    steps and 2048-token prompts unchanged. A published width's expert (several MiB) keeps the loops' own
    look-ahead. */
 #define PREFETCH_NEXT_BYTES (512 * 1024)
@@ -634,16 +634,16 @@ static void by_weight_rows_blocked(const float *x, int64_t ldx, const float *w, 
     }
 }
 
-/* Up to STREAMED_ROWS rows (a decode step's experts) by a row-major float32 weight: STREAMED_DEPTH weight rows at
-   a time, their columns in one pass, each weight vector loaded once for every row and added into the rows' sums in
+/* Up to STREAMED_ROWS rows (a decode step's experts) by a row-major float32 weight: STREAMED_DEPTH weight rows at a
+   time, their columns in one pass, each weight vector loaded once for every row and added into the rows' sums in
    `out` (in L1 or L2); the weight rows STREAMED_AHEAD rows on are fetched into L2 on the way, which the hardware's
-   own prefetch does not keep up with here. Eight weight rows a pass, over every column of the weight (a task of one
-   thread's), where it was four over strips of BLOCKED_COLUMNS: the sums are read and written half as often, and
-   the weight streams in its memory order instead of strips of rows 5-11 KiB apart (a strip of 64 columns read 256
-   bytes of each row). Measured on the AMD EPYC (AVX-512), one thread, weights from memory in huge pages, one
-   layer's hit experts at TP=2 widths, one row each: gpt-oss-20b 19.3 -> 22.5 GB/s, Qwen3-MoE 17.6 -> 19.7,
-   Qwen1.5-MoE 18.4 -> 20.9 (torch's sum of the same weights: 25-26); the loop alone on a 2880 x 2880 weight,
-   1 / 4 rows: 17.1 / 13.0 -> 24.5 / 19.0 GB/s. */
+   own prefetch does not keep up with here (or, given `next`, the next expert's weight: PREFETCH_NEXT_BYTES). Eight
+   weight rows a pass, over every column of the weight (a task of one thread's), where it was four over strips of
+   BLOCKED_COLUMNS: the sums are read and written half as often, and the weight streams in its memory order instead
+   of strips of rows 5-11 KiB apart (a strip of 64 columns read 256 bytes of each row). Measured on the AMD EPYC
+   (AVX-512), one thread, weights from memory in huge pages, one layer's hit experts at TP=2 widths, one row each:
+   gpt-oss-20b 19.3 -> 22.5 GB/s, Qwen3-MoE 17.6 -> 19.7, Qwen1.5-MoE 18.4 -> 20.9 (torch's sum of the same weights:
+   25-26); the loop alone on a 2880 x 2880 weight, 1 / 4 rows: 17.1 / 13.0 -> 24.5 / 19.0 GB/s. */
 #define STREAMED_ROWS 4
 #define STREAMED_AHEAD 16
 #define STREAMED_DEPTH 8
