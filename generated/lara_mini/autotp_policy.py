@@ -39,7 +39,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'lara_mini', 'moe_classes': ['LaraMiniSparseMoeBlock'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': ['shared_expert'], 'routers': ['gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn', 'linear_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'linear_num_key_heads', 'linear_num_value_heads', 'moe_intermediate_size', 'shared_expert_intermediate_size'], 'linear_attention': {'attr': 'linear_attn', 'projections': [['in_proj_qkv', ['key_dim', 'key_dim', 'value_dim']], ['in_proj_z', []], ['in_proj_b', []], ['in_proj_a', []]], 'conv': 'conv1d', 'conv_segments': ['key_dim', 'key_dim', 'value_dim'], 'head_params': ['A_log', 'dt_bias'], 'output': 'out_proj', 'local_sizes': ['num_k_heads', 'num_v_heads', 'key_dim', 'value_dim', 'conv_dim']}}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_lara_mini'
-RUNTIME_SHA256 = 'ff626862756a63286d9f7afecbaf761167c834388f93fae36c5dffb080c97503'
+RUNTIME_SHA256 = '51ba55509d9488bd5c45c5dce1a1469220e802898e15f45a60e81bbd12e73b49'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -2455,15 +2455,11 @@ static void by_weight_rows_blocked(const float *x, int64_t ldx, const float *w, 
         const int first = k0 == 0;
         const float *xk = x + k0, *wk = w + k0 * sk;
         for (int64_t n0 = 0; n0 < wide; n0 += width) {
-            if (stream) {
-                panel_rows(BLOCKED_FULL, xk, ldx, wk + n0, sk, kc, rows, out + n0, ldo, first, stream,
-                           64 * BLOCKED_VECTORS);
-                stream += kc * 64 * BLOCKED_VECTORS;
-            } else {
-                const char *ahead = n0 + width < nb ? (const char *)(wk + n0 + width) : NULL;
-                panel_rows(BLOCKED_FULL, xk, ldx, wk + n0, sk, kc, rows, out + n0, ldo, first, ahead,
-                           sk * (int64_t)sizeof(float));
-            }
+            /* the next expert's lines in order, else the next panel of this weight, a row at a time */
+            const char *ahead = stream ? stream : n0 + width < nb ? (const char *)(wk + n0 + width) : NULL;
+            panel_rows(BLOCKED_FULL, xk, ldx, wk + n0, sk, kc, rows, out + n0, ldo, first, ahead,
+                       stream ? 64 * BLOCKED_VECTORS : sk * (int64_t)sizeof(float));
+            if (stream) stream += kc * 64 * BLOCKED_VECTORS;
         }
         for (int64_t n0 = wide; n0 < lanes; n0 += LANES) {
             panel_rows(BLOCKED_ONE, xk, ldx, wk + n0, sk, kc, rows, out + n0, ldo, first, stream, 64);
@@ -2501,12 +2497,12 @@ static void by_weight_rows_streamed(const float *x, int64_t ldx, const float *w,
         for (int64_t n = 0; n < lanes; n += LANES) {
             lane_vector v[STREAMED_DEPTH];
             for (int i = 0; i < STREAMED_DEPTH; i++) v[i] = *(const lane_vector *)(wk + i * sk + n);
-            if (fetch)
-                for (int i = 0; i < STREAMED_DEPTH; i++) __builtin_prefetch(wk + ahead + i * sk + n, 0, 2);
-            if (stream) {
-                for (int i = 0; i < STREAMED_DEPTH; i++) __builtin_prefetch(stream + 64 * i, 0, 2);
-                stream += 64 * STREAMED_DEPTH;
-            }
+            /* the next expert's lines in order, else this weight's rows STREAMED_AHEAD on */
+            const char *pf = stream ? stream : fetch ? (const char *)(wk + ahead + n) : NULL;
+            const int64_t pstep = stream ? 64 : sk * (int64_t)sizeof(float);
+            if (pf)
+                for (int i = 0; i < STREAMED_DEPTH; i++) __builtin_prefetch(pf + i * pstep, 0, 2);
+            if (stream) stream += 64 * STREAMED_DEPTH;
             for (int64_t r = 0; r < rows; r++) {
                 lane_vector *o = (lane_vector *)(out + r * ldo + n);
                 lane_vector sum = *o;
