@@ -1985,8 +1985,8 @@ def test_the_dense_kernel_is_torchs_linear(rows, threads):
     """An nn.Linear weight's rows run in the C kernel's dense loop (up to 8 rows the 4 x 6 tile, 9-16 the rows as one
     vector's lanes, 17-64 as 2-4 vectors' lanes, more in chunks of 17-64: 65 as 48 and 17, 130 as 48, 48 and 34), with
     and without a bias, on rows strided as DeepSpeed's LM-head shard takes them and on a weight that is a slice of a
-    wider one (of `DENSE_KERNEL_WIDE_WEIGHT` elements: below it, more than 16 rows are torch's own product); other
-    dtypes and a bias torch broadcasts are torch's own product, exactly."""
+    wider one, and by a narrower weight (below `DENSE_KERNEL_WIDE_WEIGHT` elements, fewer than `ONEDNN_ROWS` rows
+    are the kernel's too); other dtypes and a bias torch broadcasts are torch's own product, exactly."""
     assert rt.grouped_mm_kernel() is not None, "the kernel did not build on this machine"
     torch.manual_seed(0)
     # 300 inputs: a chunk of 256 and a tail that is not a multiple of the 16 lanes; 3500 outputs: blocks of 6 and a
@@ -2019,16 +2019,15 @@ def test_the_dense_kernel_is_torchs_linear(rows, threads):
         assert torch.allclose(result, want, atol=1e-4, rtol=1e-5), (result - want).abs().max()
     assert torch.equal(half, half_want)
     assert torch.equal(broadcast, broadcast_want)
-    if rows > rt.SMALL_GROUP_ROWS:
-        assert torch.equal(narrow, narrow_want)
-    else:
-        assert torch.allclose(narrow, narrow_want, atol=1e-4, rtol=1e-5)
+    assert rows < rt.ONEDNN_ROWS
+    assert torch.allclose(narrow, narrow_want, atol=1e-4, rtol=1e-5)
 
 
-def test_a_prompts_rows_by_a_weight_in_cache_are_onednns_product():
+def test_a_long_prompts_rows_by_a_small_weight_are_onednns_product():
     """`ONEDNN_ROWS` or more float32 rows by a weight below `DENSE_KERNEL_WIDE_WEIGHT` elements are oneDNN's linear op,
-    exactly, with and without a bias and on strided rows (within float32 sums of torch's own product); with autograd on,
-    by a strided weight or in bfloat16 they are torch's own product, exactly, as fewer rows are."""
+    exactly, with and without a bias and on strided rows (within float32 sums of torch's own product); fewer are the
+    kernel's; with autograd on, by a strided weight or in bfloat16 they are torch's own product,
+    exactly."""
     assert rt.ONEDNN_LINEAR, "this torch has no oneDNN linear op"
     torch.manual_seed(0)
     weight, bias = torch.randn(384, 256), torch.randn(384)
@@ -2047,8 +2046,10 @@ def test_a_prompts_rows_by_a_weight_in_cache_are_onednns_product():
         assert torch.equal(rt.linear_rows(rows, strided_weight), torch.nn.functional.linear(rows, strided_weight))
         half = rows.bfloat16(), weight.bfloat16()
         assert torch.equal(rt.linear_rows(*half), torch.nn.functional.linear(*half))
-        few = rows[:, :rt.DENSE_KERNEL_ROWS // 2]  # 64 rows, more than the kernel's 16 by a weight in cache
-        assert torch.equal(rt.linear_rows(few, weight), torch.nn.functional.linear(few, weight))
+        few = rows[:, :rt.ONEDNN_ROWS // 4]  # 256 rows: the kernel's dense loop, in chunks
+        got = rt.linear_rows(few, weight, bias)
+        want = torch.nn.functional.linear(few, weight, bias)
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-5), (got - want).abs().max()
     with torch.enable_grad():
         assert torch.equal(rt.linear_rows(rows, weight, bias), torch.nn.functional.linear(rows, weight, bias))
 

@@ -37,7 +37,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'gpt_oss', 'moe_classes': ['GptOssMLP'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_interleaved_cols', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_size', 'gate_up_bias': 'gate_up_proj_bias', 'down_bias': 'down_proj_bias', 'gate': 'clamped_swiglu', 'gate_params': ['alpha', 'limit']}, 'shared': [], 'routers': ['router'], 'attention_replicated': [], 'attention_head_params': ['sinks'], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'intermediate_size'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_gpt_oss'
-RUNTIME_SHA256 = '51ba55509d9488bd5c45c5dce1a1469220e802898e15f45a60e81bbd12e73b49'
+RUNTIME_SHA256 = '04a9035cfa9391458b4dfe74968954695b0d1ac16dd83a2568a0000533179122'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -1874,8 +1874,9 @@ decode step at batch 16 on 2 ranks (full widths, 2 layers) went from 119-129 to 
 are one vector's lanes (`linear_lanes_span`): the tile's reloads of x from L2 stalled the weight's stream (16 rows, a
 full-width Qwen1.5-MoE layer's dense products streamed from memory: 12.0 -> 9.0-9.5 ms). From 17 to 64 rows (a
 short prompt's prefill) they are the lanes of 2-4 vectors (`linear_wide_span`), where torch's BLAS packs the weight on
-every call: the same products at 64 rows, 33-37 -> 27 ms. A longer prompt's rows by a weight small enough to sit in
-cache are oneDNN's sgemm (`ONEDNN_ROWS`), which outruns torch's MKL there on an AMD EPYC.
+every call: the same products at 64 rows, 33-37 -> 27 ms, in chunks of 64 from there on. A prompt of `ONEDNN_ROWS`
+rows or more by a weight under 4 MiB is oneDNN's sgemm, which outruns both the loop and torch's MKL there on an AMD
+EPYC.
 
 And eager attention (codegen.policy.runtime.eager_attention): a decode step's (`decode_attention`: one new token
 per row over its cached keys, each kv head's keys and values read once for its query heads) and a prefill's
@@ -1908,16 +1909,17 @@ SMALL_GROUP_ROWS = 16
 #: a longer prompt's go in chunks of at most this many (its products are bound by the multiply-adds from 17 rows on,
 #: where torch's BLAS packs the weight on every call; measured)
 DENSE_KERNEL_ROWS = 64
-#: the least elements of a weight the kernel takes more than SMALL_GROUP_ROWS rows by (4 MiB in float32): it wins
-#: where the weight streams from memory
-#: (17-64 rows, 256x2048 to 5632x2048: 1.1-1.6x torch's product), and BLAS's packing and microkernel win where it sits
-#: in cache, as a toy model's do (512x512 in cache: 0.7-1.0x)
+#: the least elements of a weight the kernel takes `ONEDNN_ROWS` or more rows by (4 MiB in float32): it streams a
+#: weight that large from memory faster than BLAS packs it (1024 rows by a full-width Qwen1.5-MoE layer's dense
+#: weights: 102-108 GFLOP/s against 90-99)
 DENSE_KERNEL_WIDE_WEIGHT = 1 << 20
-#: the least rows a float32 product the kernel does not take (a prompt's rows by a weight that sits in cache) goes to
-#: oneDNN by, rather than to torch's BLAS (MKL): oneDNN's sgemm runs here at 0.94-1.13x MKL's speed on an AMD EPYC
-#: (AVX-512, one thread, weights of 32x512 to 1024x1024; 0.78x for the 32x512 one with a bias), 0.95-1.27x from 512
-#: rows; at 17-64 rows MKL wins, up to 2x
-ONEDNN_ROWS = 128
+#: the least rows of a float32 product by a smaller weight that go to oneDNN's sgemm (which outruns torch's MKL there
+#: on an AMD EPYC: 0.95-1.27x); fewer go to the kernel's dense loop, whatever the weight. In an MoE model a dense
+#: weight is read from memory at every forward (the experts between two uses of it overflow the caches), and read so
+#: the loop outruns oneDNN up to a few hundred rows: the same machine, one thread, weights of 60x512 to 4096x256 from
+#: memory in huge pages, 32 / 64 / 128 / 256 rows: 1.4-1.7x / 1.2-1.5x / 1.0-1.3x / 1.0-1.2x, 512 rows 0.95-1.1x,
+#: 1024 rows 0.95-1.1x (a weight in cache, as a dense model's may be, went the other way: 0.7-1.0x at 512x512)
+ONEDNN_ROWS = 512
 #: whether this torch has oneDNN's linear op (torch's x86 and Arm CPU wheels do; inductor uses it)
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
@@ -3267,12 +3269,13 @@ def _matmul_per_expert(input, weight, offs, output, more_than=0):
 
 def linear_rows(input, weight, bias=None):
     """`input @ weight.T + bias` (nn.Linear's product) through the kernel, float32 on CPU, `weight` (out, in) with `in`
-    contiguous: a decode step's or a prompt's rows through its dense loop, 1..`SMALL_GROUP_ROWS` rows, or any by a
-    weight of `DENSE_KERNEL_WIDE_WEIGHT` elements or more (past `DENSE_KERNEL_ROWS` in chunks of at most that many),
-    which outruns torch's BLAS there (AMD EPYC, AVX-512, one thread, 1024 rows by a full-width Qwen1.5-MoE layer's
-    dense weights from memory in huge pages: 108 GFLOP/s, `F.linear` 90-93). A prompt's `ONEDNN_ROWS` or more rows by a
-    smaller weight (in cache, where packing wins) go to oneDNN's sgemm (the same machine, a batch-16 prefill of toy
-    GPT-OSS and Qwen1.5-MoE widths on 2 ranks: 282 -> 263 and 311 -> 287 ms); any other call is torch's own.
+    contiguous: a decode step's or a prompt's rows through its dense loop, fewer than `ONEDNN_ROWS` rows by any weight
+    or any rows by a weight of `DENSE_KERNEL_WIDE_WEIGHT` elements or more (past `DENSE_KERNEL_ROWS` in chunks of at
+    most that many): it streams a weight from memory faster than torch's BLAS and oneDNN pack it (AMD EPYC, AVX-512,
+    one thread, 1024 rows by a full-width Qwen1.5-MoE layer's dense weights from memory in huge pages: 108 GFLOP/s,
+    `F.linear` 90-93). A prompt's `ONEDNN_ROWS` or more rows by a smaller weight go to oneDNN's sgemm (the same
+    machine, a batch-16 prefill of toy GPT-OSS and Qwen1.5-MoE widths on 2 ranks: 282 -> 263 and 311 -> 287 ms against
+    torch's MKL); any other call is torch's own.
     It runs for every dense product of a decode step, so its checks are plain attribute reads (a call costs about
     what `F.linear`'s dispatch does)."""
     width, f32 = input.shape[-1], torch.float32
@@ -3282,7 +3285,7 @@ def linear_rows(input, weight, bias=None):
     dense = (input.is_cpu and weight.is_cpu and input.dtype is f32 and weight.dtype is f32 and weight.dim() == 2
              and weight.shape[1] == width
              and (bias is None or (bias.is_cpu and bias.dtype is f32 and bias.shape == weight.shape[:1])))
-    takes = 1 <= rows and (wide or rows <= SMALL_GROUP_ROWS) and dense and weight.stride(1) == 1
+    takes = 1 <= rows and (wide or rows < ONEDNN_ROWS) and dense and weight.stride(1) == 1
     kernel = grouped_mm_kernel() if takes else None
     if kernel is None:
         # oneDNN's op takes contiguous weights and biases only, and has no backward
