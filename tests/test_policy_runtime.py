@@ -2023,10 +2023,21 @@ def test_the_dense_kernel_is_torchs_linear(rows, threads):
     assert torch.allclose(narrow, narrow_want, atol=1e-4, rtol=1e-5)
 
 
+def _kernels_dense_loop(rows, weight, bias):
+    """The C kernel's dense loop called directly, on `rows` made contiguous: (rows, out)."""
+    x = rows.reshape(-1, rows.shape[-1]).contiguous()
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    status = rt.grouped_mm_kernel().linear(x.data_ptr(), x.shape[0], x.stride(0), weight.data_ptr(), weight.stride(0),
+                                           x.shape[1], weight.shape[0], None if bias is None else bias.data_ptr(),
+                                           out.data_ptr(), weight.shape[0], torch.get_num_threads())
+    assert status == 0
+    return out
+
+
 def test_a_long_prompts_rows_by_a_small_weight_are_onednns_product():
     """`ONEDNN_ROWS` or more float32 rows by a weight below `DENSE_KERNEL_WIDE_WEIGHT` elements are oneDNN's linear op,
     exactly, with and without a bias and on strided rows (within float32 sums of torch's own product); fewer are the
-    kernel's; with autograd on, by a strided weight or in bfloat16 they are torch's own product,
+    kernel's dense loop's, exactly; with autograd on, by a strided weight or in bfloat16 they are torch's own product,
     exactly."""
     assert rt.ONEDNN_LINEAR, "this torch has no oneDNN linear op"
     torch.manual_seed(0)
@@ -2048,6 +2059,7 @@ def test_a_long_prompts_rows_by_a_small_weight_are_onednns_product():
         assert torch.equal(rt.linear_rows(*half), torch.nn.functional.linear(*half))
         few = rows[:, :rt.ONEDNN_ROWS // 4]  # 256 rows: the kernel's dense loop, in chunks
         got = rt.linear_rows(few, weight, bias)
+        assert torch.equal(got.reshape(-1, 384), _kernels_dense_loop(few, weight, bias))
         want = torch.nn.functional.linear(few, weight, bias)
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-5), (got - want).abs().max()
     with torch.enable_grad():
