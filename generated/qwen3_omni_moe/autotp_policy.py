@@ -39,7 +39,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'qwen3_omni_moe', 'moe_classes': ['Qwen3OmniMoeThinkerTextSparseMoeBlock'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': [], 'routers': ['gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': ['audio_tower', 'visual'], 'text_submodule': 'thinker', 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_qwen3_omni_moe'
-RUNTIME_SHA256 = '7906137976307cd1984ea5aff1d90dc58565df7cbe373e8fcaeef359ce3fa737'
+RUNTIME_SHA256 = '5e3deef001fe00b5e97895110e10556a96402e38eb8100e6ea1d5eebce54c256'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -1920,7 +1920,7 @@ DENSE_KERNEL_WIDE_WEIGHT = 1 << 20
 #: weight is read from memory at every forward (the experts between two uses of it overflow the caches), and read so
 #: the loop outruns oneDNN up to a few hundred rows: the same machine, one thread, weights of 60x512 to 4096x256 from
 #: memory in huge pages, 32 / 64 / 128 / 256 rows: 1.4-1.7x / 1.2-1.5x / 1.0-1.3x / 1.0-1.2x, 512 rows 0.95-1.1x,
-#: 1024 rows 0.95-1.1x (a weight in cache, as a dense model's may be, went the other way: 0.7-1.0x torch's BLAS)
+#: 1024 rows 0.95-1.1x (a weight in cache, as a dense model's may be, went the other way: 0.7-1.0x of torch's BLAS)
 ONEDNN_ROWS = 512
 #: whether this torch has oneDNN's linear op (torch's x86 and Arm CPU wheels do; inductor uses it)
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")

@@ -81,7 +81,7 @@ DENSE_KERNEL_WIDE_WEIGHT = 1 << 20
 #: weight is read from memory at every forward (the experts between two uses of it overflow the caches), and read so
 #: the loop outruns oneDNN up to a few hundred rows: the same machine, one thread, weights of 60x512 to 4096x256 from
 #: memory in huge pages, 32 / 64 / 128 / 256 rows: 1.4-1.7x / 1.2-1.5x / 1.0-1.3x / 1.0-1.2x, 512 rows 0.95-1.1x,
-#: 1024 rows 0.95-1.1x (a weight in cache, as a dense model's may be, went the other way: 0.7-1.0x torch's BLAS)
+#: 1024 rows 0.95-1.1x (a weight in cache, as a dense model's may be, went the other way: 0.7-1.0x of torch's BLAS)
 ONEDNN_ROWS = 512
 #: whether this torch has oneDNN's linear op (torch's x86 and Arm CPU wheels do; inductor uses it)
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
