@@ -1925,6 +1925,22 @@ def test_the_compiled_grouped_matmul_is_torchs_product_per_expert_with_a_fake_fo
     assert tuple(fake.shape) == (10, out)
 
 
+#: the kernel's builds its tests run: this CPU's own and, on an x86 CPU with AVX-512, the one without it (8-float
+#: vectors and the tiles for 16 registers, as on AVX2 and Arm), so that both vector widths' loops are checked on the
+#: machine CI has
+KERNEL_BUILDS = ["native"] + (["without-avx512"] if "avx512f" in rt._cpu_flags().split() else [])
+
+
+@pytest.fixture(params=KERNEL_BUILDS)
+def kernel_build(request, monkeypatch):
+    """The runtime's kernel for the test: this CPU's own, or the build without AVX-512 in its place."""
+    if request.param == "without-avx512":
+        build = rt.grouped_mm_kernel(("-mno-avx512f",))
+        assert build is not None, "the kernel without AVX-512 did not build on this machine"
+        monkeypatch.setattr(rt, "grouped_mm_kernel", lambda extra_flags=(): build)
+    return request.param
+
+
 def _grouped_reference(rows, weight, ends):
     """torch's matmul per expert, rows past the last group 0."""
     out, start = rows.new_zeros(rows.shape[0], weight.shape[-1]), 0
@@ -1938,7 +1954,7 @@ def _grouped_reference(rows, weight, ends):
 @pytest.mark.parametrize("offs_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_experts_kernel_is_torchs_matmul_per_expert(layout, offs_dtype, threads, dtype):
+def test_the_experts_kernel_is_torchs_matmul_per_expert(layout, offs_dtype, threads, dtype, kernel_build):
     """float32 groups of any rows go to the C kernel (the dense loop for (E, out, in) weights, past 64 rows in chunks
     of at most 64; for row-major ones the streamed loop up to 4 rows, the blocked loop in place from 5), bfloat16
     groups of 1..16 rows (larger ones, a prefill's, to torch); empty experts are skipped and the padding rows past
@@ -1981,13 +1997,17 @@ def test_the_experts_kernel_is_torchs_matmul_per_expert(layout, offs_dtype, thre
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", [1, 3, 4, 7, 8, 9, 12, 16, 17, 33, 64, 65, 130])
-def test_the_dense_kernel_is_torchs_linear(rows, threads):
+def test_the_dense_kernel_is_torchs_linear(rows, threads, kernel_build):
     """An nn.Linear weight's rows run in the C kernel's dense loop (up to 8 rows the 4 x 6 tile, 9-16 the rows as one
     vector's lanes, 17-64 as 2-4 vectors' lanes, more in chunks of 17-64: 65 as 48 and 17, 130 as 48, 48 and 34), with
     and without a bias, on rows strided as DeepSpeed's LM-head shard takes them and on a weight that is a slice of a
     wider one, and by a narrower weight (below `DENSE_KERNEL_WIDE_WEIGHT` elements, fewer than `ONEDNN_ROWS` rows
-    are the kernel's too); other dtypes and a bias torch broadcasts are torch's own product, exactly."""
-    assert rt.grouped_mm_kernel() is not None, "the kernel did not build on this machine"
+    are the kernel's too); other dtypes and a bias torch broadcasts are torch's own product, exactly. Where the
+    kernel's vectors are 8 floats, `NARROW_DENSE_ROWS` rows and more are torch's product, exactly."""
+    kernel = rt.grouped_mm_kernel()
+    assert kernel is not None, "the kernel did not build on this machine"
+    assert kernel.lanes in (8, 16)
+    assert kernel.dense_rows_below == (rt.NARROW_DENSE_ROWS if kernel.lanes == 8 else sys.maxsize)
     torch.manual_seed(0)
     # 300 inputs: a chunk of 256 and a tail that is not a multiple of the 16 lanes; 3500 outputs: blocks of 6 and a
     # tail of 2, panels of 8 and a tail of 4, wide panels of 12, 8 and 6 with tails, and 16-column blocks and a tail
@@ -2013,7 +2033,11 @@ def test_the_dense_kernel_is_torchs_linear(rows, threads):
         alone = rt.linear_rows(shard, weight, bias)
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(got[1], alone)  # each output summed in one order, whatever the thread count
+    if rows >= kernel.dense_rows_below:  # torch's own product, at the same thread count
+        assert all(torch.equal(result, want) for result, want in zip(got, wants))
+        assert torch.equal(narrow, narrow_want)
+    else:
+        assert torch.equal(got[1], alone)  # each output summed in one order, whatever the thread count
     for result, want in zip(got, wants):
         assert result.shape == (rows, 1, outputs)
         assert torch.allclose(result, want, atol=1e-4, rtol=1e-5), (result - want).abs().max()
@@ -2034,10 +2058,11 @@ def _kernels_dense_loop(rows, weight, bias):
     return out
 
 
-def test_a_long_prompts_rows_by_a_small_weight_are_onednns_product():
+def test_a_long_prompts_rows_by_a_small_weight_are_onednns_product(kernel_build):
     """`ONEDNN_ROWS` or more float32 rows by a weight below `DENSE_KERNEL_WIDE_WEIGHT` elements are oneDNN's linear op,
     exactly, with and without a bias and on strided rows (within float32 sums of torch's own product); fewer are the
-    kernel's dense loop's, exactly; with autograd on, by a strided weight or in bfloat16 they are torch's own product,
+    kernel's dense loop's, exactly (torch's from `NARROW_DENSE_ROWS` where its vectors are 8 floats); with autograd
+    on, by a strided weight or in bfloat16 they are torch's own product,
     exactly."""
     assert rt.ONEDNN_LINEAR, "this torch has no oneDNN linear op"
     torch.manual_seed(0)
@@ -2057,9 +2082,12 @@ def test_a_long_prompts_rows_by_a_small_weight_are_onednns_product():
         assert torch.equal(rt.linear_rows(rows, strided_weight), torch.nn.functional.linear(rows, strided_weight))
         half = rows.bfloat16(), weight.bfloat16()
         assert torch.equal(rt.linear_rows(*half), torch.nn.functional.linear(*half))
-        few = rows[:, :rt.ONEDNN_ROWS // 4]  # 256 rows: the kernel's dense loop, in chunks
+        few = rows[:, :rt.ONEDNN_ROWS // 4]  # 256 rows: the kernel's dense loop, in chunks (torch's, narrower vectors)
         got = rt.linear_rows(few, weight, bias)
-        assert torch.equal(got.reshape(-1, 384), _kernels_dense_loop(few, weight, bias))
+        if 256 < rt.grouped_mm_kernel().dense_rows_below:
+            assert torch.equal(got.reshape(-1, 384), _kernels_dense_loop(few, weight, bias))
+        else:
+            assert torch.equal(got, torch.nn.functional.linear(few, weight, bias))
         want = torch.nn.functional.linear(few, weight, bias)
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-5), (got - want).abs().max()
     with torch.enable_grad():
@@ -2116,7 +2144,7 @@ def _fused_experts_module(family: str):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
-def test_the_fused_experts_are_transformers_grouped_experts(family, threads):
+def test_the_fused_experts_are_transformers_grouped_experts(family, threads, kernel_build):
     """`codegen::fused_experts` on transformers' own experts module equals its `grouped_mm` forward: Qwen3-MoE's
     (SiLU gate, gate and up concatenated, (E, out, in) weights, also taken row-major) and GPT-OSS's (clamped SwiGLU,
     interleaved, row-major, biases); experts with no row, 1 row, 4, 16 and more than 16 (together or alone, by the
@@ -2249,7 +2277,7 @@ def _eager_attention_case(family):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
-def test_the_decode_attention_kernel_is_the_familys_eager_attention(family, threads):
+def test_the_decode_attention_kernel_is_the_familys_eager_attention(family, threads, kernel_build):
     """`codegen::eager_attention` for one new token against transformers' own eager attention of the family
     (GPT-OSS: sinks and grouped heads; Qwen3-MoE: no sinks): 1 to 40 cached columns (not a multiple of 16 included),
     keys and values as views of a larger store, masks with min and -inf columns, a mask shared by the batch."""
@@ -2278,7 +2306,7 @@ def test_the_decode_attention_kernel_is_the_familys_eager_attention(family, thre
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
-def test_the_prefill_attention_kernel_is_the_familys_eager_attention(family, threads):
+def test_the_prefill_attention_kernel_is_the_familys_eager_attention(family, threads, kernel_build):
     """`codegen::eager_attention` for several new tokens against the family's own eager attention: prompts of 2 to
     70 tokens (more than one block of query rows), after 0 or 9 cached columns, causal masks with a sliding window or
     without, left padding (a row every key of which is masked included), a mask shared by the batch, no mask, and

@@ -39,7 +39,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'solar_open', 'moe_classes': ['SolarOpenMoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': ['shared_experts'], 'routers': ['gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_solar_open'
-RUNTIME_SHA256 = '5e3deef001fe00b5e97895110e10556a96402e38eb8100e6ea1d5eebce54c256'
+RUNTIME_SHA256 = '0f8f248e6c9d541caf6fbf7e6fc7f6eef367eaa533be1a9500cc3f49c7defdbe'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -1887,7 +1887,9 @@ sinks (GPT-OSS's), e^x in vector registers.
 
 It is built once per machine (the system C compiler, `-O3 -march=native`, OpenMP on torch's own runtime) into this
 environment's build dir, keyed by its source, the compiler and the CPU; where it cannot be built, the caller runs
-torch's matmul per expert and says why once.
+torch's matmul per expert and says why once. The figures above are from CPUs with AVX-512, where its vectors are 16
+floats; elsewhere (AVX2, Arm) they are 8 and its tiles hold half the sums, sized for 16 registers (the C source's
+`LANES`), and from `NARROW_DENSE_ROWS` rows on torch's BLAS runs the dense products.
 """
 
 import ctypes
@@ -1922,6 +1924,11 @@ DENSE_KERNEL_WIDE_WEIGHT = 1 << 20
 #: memory in huge pages, 32 / 64 / 128 / 256 rows: 1.4-1.7x / 1.2-1.5x / 1.0-1.3x / 1.0-1.2x, 512 rows 0.95-1.1x,
 #: 1024 rows 0.95-1.1x (a weight in cache, as a dense model's may be, went the other way: 0.7-1.0x of torch's BLAS)
 ONEDNN_ROWS = 512
+#: the least rows of any float32 product that go to torch where the kernel's vectors are 8 floats (AVX2, Arm; 16 with
+#: AVX-512): there torch's BLAS packs a weight for 8-float registers as fast as the dense loop streams it. Measured on
+#: an AMD EPYC (AVX2), one thread, weights of 60x512 to 768x512 from memory, the loop against torch's MKL: 16 rows
+#: 1.45-1.64x, 32 rows 0.88-1.28x, 64 rows 0.79-1.01x, 128-511 rows 0.77-0.89x
+NARROW_DENSE_ROWS = 64
 #: whether this torch has oneDNN's linear op (torch's x86 and Arm CPU wheels do; inductor uses it)
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
@@ -2159,7 +2166,7 @@ static inline lane_vector sigmoid_lanes(lane_vector x) {
 }
 
 /* h (rows x I2 / 2, ldh) = the gate of g (rows x I2, ldg), after adding `bias` (I2, or NULL) to every row of g:
-   16 outputs at a time in vector registers (e^x by exp_lanes; expf one by one cost a tenth to a sixth of a
+   a vector of outputs at a time in vector registers (e^x by exp_lanes; expf one by one cost a tenth to a sixth of a
    prefill's expert time), the tail past the last whole vector one by one */
 static void gate_rows(float *g, int64_t ldg, int64_t rows, int64_t I2, const float *bias, int gate, float alpha,
                       float limit, float *h, int64_t ldh, int threads) {
@@ -2178,8 +2185,13 @@ static void gate_rows(float *g, int64_t ldg, int64_t rows, int64_t I2, const flo
         } else {
             for (int64_t i = 0; i < whole; i += LANES) {
                 const lane_vector lo = *(const lane_vector *)(gr + 2 * i), hi = *(const lane_vector *)(gr + 2 * i + LANES);
+#if LANES == 16
                 const lane_vector gate_in = SHUFFLE(lo, hi, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
                 const lane_vector up_in = SHUFFLE(lo, hi, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+                const lane_vector gate_in = SHUFFLE(lo, hi, 0, 2, 4, 6, 8, 10, 12, 14);
+                const lane_vector up_in = SHUFFLE(lo, hi, 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
                 const lane_vector top = (lane_vector){0} + limit, bottom = (lane_vector){0} - limit;
                 const lane_vector gv = lanes_where(gate_in < limit, gate_in, top);
                 const lane_vector up = lanes_where(up_in < -limit, bottom, lanes_where(up_in > limit, top, up_in));
@@ -2321,19 +2333,62 @@ _LINEAR = r"""
    third of the machine's read bandwidth; here a tile of 4 rows by 6 weight rows keeps 24 sums in vector registers,
    each weight vector loaded once for 4 rows; K goes in chunks whose rows of x stay in L1 while the weight streams
    through them once, and the next block's weight rows are fetched into L2 while this one is summed. */
-typedef float lane_vector __attribute__((vector_size(64), aligned(4)));  /* 16 floats, loaded unaligned */
+/* The vector and the tiles' shapes, by the registers the CPU has: with AVX-512 a vector is 16 floats and a tile
+   holds up to 24 of the 32 registers; elsewhere (AVX2's 16 registers of 8 floats; NEON's 32 of 4 hold as many) a
+   vector is 8 floats and a tile half as many sums. The 16-float vector on AVX2 became two registers each, its tiles
+   spilled their sums to the stack at every multiply-add and its shuffles went element by element: measured on an
+   AMD EPYC (AVX2), one thread, 128 rows by a 256 x 512 weight 6.3 ms against torch's 0.50, a 2048-token prefill's
+   fused experts at toy Qwen3-MoE widths 1345 ms against 93 for torch's matmul per expert. Each shape can be set
+   with -D to measure another. */
+#if defined(__AVX512F__)
 #define LANES 16
+#define LINEAR_BLOCK 6     /* weight rows per tile of the dense loop (4 rows by 6: 24 sums) */
+#define LANES_PANEL 8      /* weight rows per panel where the rows are one vector's lanes */
+#define WIDE_SUMS 24       /* the sums of a panel where the rows are several vectors' lanes */
+#define BLOCKED_ROWS 8     /* the blocked loop's tile: 8 rows by 3 vectors of columns (24 sums) */
+#define BLOCKED_VECTORS 3
+#define STREAMED_DEPTH 8   /* weight rows per pass of the streamed loop */
+#define ATTENTION_SUMS 16  /* the decode attention's sums of values in registers */
+#else
+#define LANES 8
+#ifndef LINEAR_BLOCK
+#define LINEAR_BLOCK 3
+#endif
+#ifndef LANES_PANEL
+#define LANES_PANEL 6
+#endif
+#ifndef WIDE_SUMS
+#define WIDE_SUMS 12
+#endif
+#ifndef BLOCKED_ROWS
+#define BLOCKED_ROWS 6
+#endif
+#ifndef BLOCKED_VECTORS
+#define BLOCKED_VECTORS 2
+#endif
+#ifndef STREAMED_DEPTH
+#define STREAMED_DEPTH 4
+#endif
+#define ATTENTION_SUMS 8
+#endif
+typedef float lane_vector __attribute__((vector_size(LANES * 4), aligned(4)));  /* loaded unaligned */
+#define VECTOR_BYTES ((int64_t)sizeof(lane_vector))
+/* a prompt's rows as the lanes of at most 4 vectors (LANES_WIDE below) */
+#if WIDE_ROWS > 4 * LANES
+#undef WIDE_ROWS
+#define WIDE_ROWS (4 * LANES)
+#endif
 #define LINEAR_X_FLOATS 8192  /* x's rows per pass: 32 KiB */
-#define LINEAR_BLOCK 6    /* weight rows per tile */
 #if MAX_ROWS * LINEAR_BLOCK % LANES
 #error "the sums of MAX_ROWS rows of a block must fill whole vectors (lanes_summed)"
 #endif
 
 #define SHUFFLE __builtin_shufflevector  /* GCC 12+ and clang */
 
-/* lane m of the result = the sum of v[m]'s lanes, for 16 vectors at once: four rounds of pairwise shuffles and adds
+/* lane m of the result = the sum of v[m]'s lanes, for LANES vectors at once: four rounds of pairwise shuffles and adds
    (15 vector adds) where summing each vector's lanes one by one takes 16 dependent scalar adds per vector, which
    cost as much as the tile's own multiply-adds when K is 256-512 */
+#if LANES == 16
 static inline lane_vector lanes_summed(const lane_vector *v) {
     lane_vector t[8], u[4], h[2];
     for (int i = 0; i < 8; i++)  /* lanes 0-7: v[2i]'s partial sums, 8-15: v[2i + 1]'s */
@@ -2348,13 +2403,25 @@ static inline lane_vector lanes_summed(const lane_vector *v) {
     return SHUFFLE(h[0], h[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
          + SHUFFLE(h[0], h[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
+#else
+static inline lane_vector lanes_summed(const lane_vector *v) {  /* the same for 8 vectors: three rounds */
+    lane_vector u[4], h[2];
+    for (int i = 0; i < 4; i++)  /* lanes 0-3: v[2i]'s partial sums, 4-7: v[2i + 1]'s */
+        u[i] = SHUFFLE(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11)
+             + SHUFFLE(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++)  /* 2 lanes for each of v[4i .. 4i + 3] */
+        h[i] = SHUFFLE(u[2 * i], u[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13)
+             + SHUFFLE(u[2 * i], u[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return SHUFFLE(h[0], h[1], 0, 2, 4, 6, 8, 10, 12, 14) + SHUFFLE(h[0], h[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+#endif
 
 /* sums[i * stride + j] += x row i (of RT) . w row j (of NT) over k0..k1 (multiples of LANES), starting from 0 where
    k0 is 0 (the first pass: nothing to zero beforehand); `ahead`: the distance to the next block's weight rows,
    fetched into L2 on the way (0: none) */
-#define LINEAR_TILE(RT, NT)                                                                                      \
-static void linear_tile_##RT##_##NT(const float *x, int64_t ldx, const float *w, int64_t ldw, int64_t k0,       \
-                                    int64_t k1, lane_vector *sums, int64_t stride, int64_t ahead) {             \
+#define LINEAR_TILE(NAME, RT, NT)                                                                                \
+static void NAME(const float *x, int64_t ldx, const float *w, int64_t ldw, int64_t k0, int64_t k1,             \
+                 lane_vector *sums, int64_t stride, int64_t ahead) {                                             \
     lane_vector a[RT][NT];                                                                                       \
     for (int i = 0; i < RT; i++)                                                                                 \
         for (int j = 0; j < NT; j++) a[i][j] = k0 ? sums[i * stride + j] : (lane_vector){0};                   \
@@ -2369,13 +2436,15 @@ static void linear_tile_##RT##_##NT(const float *x, int64_t ldx, const float *w,
     }                                                                                                            \
     for (int i = 0; i < RT; i++) for (int j = 0; j < NT; j++) sums[i * stride + j] = a[i][j];                   \
 }
-LINEAR_TILE(4, 6) LINEAR_TILE(3, 6) LINEAR_TILE(2, 6) LINEAR_TILE(1, 6)
-LINEAR_TILE(4, 1) LINEAR_TILE(3, 1) LINEAR_TILE(2, 1) LINEAR_TILE(1, 1)
+LINEAR_TILE(linear_full_4, 4, LINEAR_BLOCK) LINEAR_TILE(linear_full_3, 3, LINEAR_BLOCK)
+LINEAR_TILE(linear_full_2, 2, LINEAR_BLOCK) LINEAR_TILE(linear_full_1, 1, LINEAR_BLOCK)
+LINEAR_TILE(linear_one_4, 4, 1) LINEAR_TILE(linear_one_3, 3, 1) LINEAR_TILE(linear_one_2, 2, 1)
+LINEAR_TILE(linear_one_1, 1, 1)
 
 typedef void (*linear_tile_fn)(const float *, int64_t, const float *, int64_t, int64_t, int64_t, lane_vector *,
                                int64_t, int64_t);
-static const linear_tile_fn LINEAR_FULL[5] = {0, linear_tile_1_6, linear_tile_2_6, linear_tile_3_6, linear_tile_4_6};
-static const linear_tile_fn LINEAR_ONE[5] = {0, linear_tile_1_1, linear_tile_2_1, linear_tile_3_1, linear_tile_4_1};
+static const linear_tile_fn LINEAR_FULL[5] = {0, linear_full_1, linear_full_2, linear_full_3, linear_full_4};
+static const linear_tile_fn LINEAR_ONE[5] = {0, linear_one_1, linear_one_2, linear_one_3, linear_one_4};
 
 /* Rows by a row-major float32 weight (w[k * sk + n], input dim first: the experts as the fused experts store them),
    more than STREAMED_ROWS: a tile of 8 rows by 3 vectors of columns keeps 24 sums in registers, each weight vector
@@ -2386,17 +2455,15 @@ static const linear_tile_fn LINEAR_ONE[5] = {0, linear_tile_1_1, linear_tile_2_1
    rows: 99 / 105 / 108 GFLOP/s, where torch's matmul (sgemm) ran 50 / 80 / 97; 8 experts of 4-16 rows, four shapes:
    35-99 where the loop before this one (4 rows by 6 vectors, its sums in `out` every 16 weight rows) ran 23-53. */
 #define BLOCKED_KC 256
-#define BLOCKED_ROWS 8
-#define BLOCKED_VECTORS 3
 #define BLOCKED_WIDTH (LANES * BLOCKED_VECTORS)  /* a tile's (and a panel's) columns */
 /* a task's columns by a row-major float32 weight when threads share the experts (on one thread a task holds every
    column): a multiple of the tile's width */
 #define BLOCKED_COLUMNS (28 * BLOCKED_WIDTH)
 
 /* sums (RT x NV vectors, lds apart) = (first ? 0 : sums) + x (RT rows, ldx) @ w (kc rows, sk apart) */
-#define BLOCKED_TILE(RT, NV)                                                                                     \
-static void blocked_tile_##RT##_##NV(const float *x, int64_t ldx, const float *w, int64_t sk, int64_t kc,       \
-                                     float *sums, int64_t lds, int first, const char *pf, int64_t pstep) {      \
+#define BLOCKED_TILE(NAME, RT, NV)                                                                               \
+static void NAME(const float *x, int64_t ldx, const float *w, int64_t sk, int64_t kc, float *sums, int64_t lds,  \
+                 int first, const char *pf, int64_t pstep) {                                                     \
     lane_vector a[RT][NV];                                                                                       \
     for (int i = 0; i < RT; i++)                                                                                 \
         for (int j = 0; j < NV; j++)                                                                             \
@@ -2404,7 +2471,7 @@ static void blocked_tile_##RT##_##NV(const float *x, int64_t ldx, const float *w
     for (int64_t k = 0; k < kc; k++) {                                                                           \
         lane_vector wv[NV];                                                                                      \
         for (int j = 0; j < NV; j++) wv[j] = *(const lane_vector *)(w + k * sk + LANES * j);                    \
-        if (pf) for (int j = 0; j < NV; j++) __builtin_prefetch(pf + k * pstep + 64 * j, 0, 2);                 \
+        if (pf) for (int j = 0; j < NV; j++) __builtin_prefetch(pf + k * pstep + VECTOR_BYTES * j, 0, 2);       \
         for (int i = 0; i < RT; i++) {                                                                           \
             const float xs = x[i * ldx + k];                                                                     \
             for (int j = 0; j < NV; j++) a[i][j] += xs * wv[j];                                                  \
@@ -2413,19 +2480,25 @@ static void blocked_tile_##RT##_##NV(const float *x, int64_t ldx, const float *w
     for (int i = 0; i < RT; i++)                                                                                 \
         for (int j = 0; j < NV; j++) *(lane_vector *)(sums + i * lds + LANES * j) = a[i][j];                    \
 }
-BLOCKED_TILE(1, 3) BLOCKED_TILE(2, 3) BLOCKED_TILE(3, 3) BLOCKED_TILE(4, 3)
-BLOCKED_TILE(5, 3) BLOCKED_TILE(6, 3) BLOCKED_TILE(7, 3) BLOCKED_TILE(8, 3)
-BLOCKED_TILE(1, 1) BLOCKED_TILE(2, 1) BLOCKED_TILE(3, 1) BLOCKED_TILE(4, 1)
-BLOCKED_TILE(5, 1) BLOCKED_TILE(6, 1) BLOCKED_TILE(7, 1) BLOCKED_TILE(8, 1)
+#if BLOCKED_ROWS > 8
+#error "BLOCKED_ROWS: at most 8"
+#endif
+BLOCKED_TILE(blocked_full_1, 1, BLOCKED_VECTORS) BLOCKED_TILE(blocked_full_2, 2, BLOCKED_VECTORS)
+BLOCKED_TILE(blocked_full_3, 3, BLOCKED_VECTORS) BLOCKED_TILE(blocked_full_4, 4, BLOCKED_VECTORS)
+BLOCKED_TILE(blocked_full_5, 5, BLOCKED_VECTORS) BLOCKED_TILE(blocked_full_6, 6, BLOCKED_VECTORS)
+BLOCKED_TILE(blocked_full_7, 7, BLOCKED_VECTORS) BLOCKED_TILE(blocked_full_8, 8, BLOCKED_VECTORS)
+BLOCKED_TILE(blocked_one_1, 1, 1) BLOCKED_TILE(blocked_one_2, 2, 1) BLOCKED_TILE(blocked_one_3, 3, 1)
+BLOCKED_TILE(blocked_one_4, 4, 1) BLOCKED_TILE(blocked_one_5, 5, 1) BLOCKED_TILE(blocked_one_6, 6, 1)
+BLOCKED_TILE(blocked_one_7, 7, 1) BLOCKED_TILE(blocked_one_8, 8, 1)
 
 typedef void (*blocked_tile_fn)(const float *, int64_t, const float *, int64_t, int64_t, float *, int64_t, int,
                                 const char *, int64_t);
-static const blocked_tile_fn BLOCKED_FULL[BLOCKED_ROWS + 1] = {
-    0, blocked_tile_1_3, blocked_tile_2_3, blocked_tile_3_3, blocked_tile_4_3, blocked_tile_5_3, blocked_tile_6_3,
-    blocked_tile_7_3, blocked_tile_8_3};
-static const blocked_tile_fn BLOCKED_ONE[BLOCKED_ROWS + 1] = {
-    0, blocked_tile_1_1, blocked_tile_2_1, blocked_tile_3_1, blocked_tile_4_1, blocked_tile_5_1, blocked_tile_6_1,
-    blocked_tile_7_1, blocked_tile_8_1};
+static const blocked_tile_fn BLOCKED_FULL[9] = {
+    0, blocked_full_1, blocked_full_2, blocked_full_3, blocked_full_4, blocked_full_5, blocked_full_6, blocked_full_7,
+    blocked_full_8};
+static const blocked_tile_fn BLOCKED_ONE[9] = {
+    0, blocked_one_1, blocked_one_2, blocked_one_3, blocked_one_4, blocked_one_5, blocked_one_6, blocked_one_7,
+    blocked_one_8};
 
 /* every row tile of one panel (the tiles of `tile`) over one block of kc inputs; the first tile fetches a line per
    vector each input on its way, from pf on, pstep bytes apart (pf NULL: none) */
@@ -2460,12 +2533,12 @@ static void by_weight_rows_blocked(const float *x, int64_t ldx, const float *w, 
             /* the next expert's lines in order, else the next panel of this weight, a row at a time */
             const char *ahead = stream ? stream : n0 + width < nb ? (const char *)(wk + n0 + width) : NULL;
             panel_rows(BLOCKED_FULL, xk, ldx, wk + n0, sk, kc, rows, out + n0, ldo, first, ahead,
-                       stream ? 64 * BLOCKED_VECTORS : sk * (int64_t)sizeof(float));
-            if (stream) stream += kc * 64 * BLOCKED_VECTORS;
+                       stream ? VECTOR_BYTES * BLOCKED_VECTORS : sk * (int64_t)sizeof(float));
+            if (stream) stream += kc * VECTOR_BYTES * BLOCKED_VECTORS;
         }
         for (int64_t n0 = wide; n0 < lanes; n0 += LANES) {
-            panel_rows(BLOCKED_ONE, xk, ldx, wk + n0, sk, kc, rows, out + n0, ldo, first, stream, 64);
-            if (stream) stream += kc * 64;
+            panel_rows(BLOCKED_ONE, xk, ldx, wk + n0, sk, kc, rows, out + n0, ldo, first, stream, VECTOR_BYTES);
+            if (stream) stream += kc * VECTOR_BYTES;
         }
         tail_columns(xk, ldx, wk, sk, 1, kc, rows, lanes, nb, out, ldo, first);
     }
@@ -2483,7 +2556,6 @@ static void by_weight_rows_blocked(const float *x, int64_t ldx, const float *w, 
    25-26); the loop alone on a 2880 x 2880 weight, 1 / 4 rows: 17.1 / 13.0 -> 24.5 / 19.0 GB/s. */
 #define STREAMED_ROWS 4
 #define STREAMED_AHEAD 16
-#define STREAMED_DEPTH 8
 static void by_weight_rows_streamed(const float *x, int64_t ldx, const float *w, int64_t sk, int64_t K,
                                     int64_t rows, int64_t nb, float *out, int64_t ldo, const float *next) {
     const int64_t lanes = nb / LANES * LANES, ahead = STREAMED_AHEAD * sk;
@@ -2501,10 +2573,10 @@ static void by_weight_rows_streamed(const float *x, int64_t ldx, const float *w,
             for (int i = 0; i < STREAMED_DEPTH; i++) v[i] = *(const lane_vector *)(wk + i * sk + n);
             /* the next expert's lines in order, else this weight's rows STREAMED_AHEAD on */
             const char *pf = stream ? stream : fetch ? (const char *)(wk + ahead + n) : NULL;
-            const int64_t pstep = stream ? 64 : sk * (int64_t)sizeof(float);
+            const int64_t pstep = stream ? VECTOR_BYTES : sk * (int64_t)sizeof(float);
             if (pf)
                 for (int i = 0; i < STREAMED_DEPTH; i++) __builtin_prefetch(pf + i * pstep, 0, 2);
-            if (stream) stream += 64 * STREAMED_DEPTH;
+            if (stream) stream += VECTOR_BYTES * STREAMED_DEPTH;
             for (int64_t r = 0; r < rows; r++) {
                 lane_vector *o = (lane_vector *)(out + r * ldo + n);
                 lane_vector sum = *o;
@@ -2583,7 +2655,6 @@ static void linear_span(const float *x, int64_t R, int64_t ldx, const float *w, 
    stream while it does (16 rows of a weight streamed from memory: 70 GFLOP/s, 8.7 GB/s); here x is one vector per k
    (92 GFLOP/s, 11.5 GB/s, about the read bandwidth of a single row's product). Up to LANES / 2 rows the tile stays:
    the lanes would be half empty. */
-#define LANES_PANEL 8
 static void lanes_panel(const float *xt, const float *w, int64_t ldw, int64_t K, int64_t rows, lane_vector *acc,
                         int64_t ahead) {
     lane_vector a[LANES_PANEL];
@@ -2613,9 +2684,10 @@ static void lanes_panel(const float *xt, const float *w, int64_t ldw, int64_t K,
     for (int j = 0; j < rows; j++) acc[j] = a[j];
 }
 
-/* v[i][m] becomes v[m][i] (16 x 16): four rounds of pairwise shuffles, each swapping one bit of the row index with
-   the same bit of the lane index */
-static inline void transposed_16(lane_vector *v) {
+/* v[i][m] becomes v[m][i] (LANES x LANES): a round of pairwise shuffles per bit of the lane index, each swapping
+   that bit of the row index with the same bit of the lane index */
+#if LANES == 16
+static inline void transposed_lanes(lane_vector *v) {
     for (int i = 0; i < LANES; i++) if (!(i & 1)) {
         const lane_vector a = v[i], c = v[i + 1];
         v[i] = SHUFFLE(a, c, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
@@ -2637,6 +2709,25 @@ static inline void transposed_16(lane_vector *v) {
         v[i + 8] = SHUFFLE(a, c, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
     }
 }
+#else
+static inline void transposed_lanes(lane_vector *v) {
+    for (int i = 0; i < LANES; i++) if (!(i & 1)) {
+        const lane_vector a = v[i], c = v[i + 1];
+        v[i] = SHUFFLE(a, c, 0, 8, 2, 10, 4, 12, 6, 14);
+        v[i + 1] = SHUFFLE(a, c, 1, 9, 3, 11, 5, 13, 7, 15);
+    }
+    for (int i = 0; i < LANES; i++) if (!(i & 2)) {
+        const lane_vector a = v[i], c = v[i + 2];
+        v[i] = SHUFFLE(a, c, 0, 1, 8, 9, 4, 5, 12, 13);
+        v[i + 2] = SHUFFLE(a, c, 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+    for (int i = 0; i < LANES; i++) if (!(i & 4)) {
+        const lane_vector a = v[i], c = v[i + 4];
+        v[i] = SHUFFLE(a, c, 0, 1, 2, 3, 8, 9, 10, 11);
+        v[i + 4] = SHUFFLE(a, c, 4, 5, 6, 7, 12, 13, 14, 15);
+    }
+}
+#endif
 
 static void linear_lanes_span(const float *xt, int64_t R, const float *w, int64_t ldw, int64_t K, int64_t n0,
                               int64_t n1, const float *bias, float *out, int64_t ldo) {
@@ -2661,9 +2752,8 @@ static void linear_lanes_span(const float *xt, int64_t R, const float *w, int64_
    AMD EPYC (AVX-512), one thread, a full-width Qwen1.5-MoE layer's dense weights from memory in huge pages, 32 / 64
    rows 78-79 / 89-90 -> 96 / 109-110 GFLOP/s; 20 experts of a 2048 x 1408 shard, 24 / 32 / 48 / 64 rows 57 / 75 /
    88 / 88 -> 69 / 91 / 107 / 103. */
-#define WIDE_SUMS 24
-#if WIDE_ROWS > 4 * LANES || WIDE_ROWS < MAX_ROWS
-#error "WIDE_ROWS: MAX_ROWS to 4 vectors' lanes"
+#if WIDE_ROWS < MAX_ROWS
+#error "WIDE_ROWS: at least MAX_ROWS"
 #endif
 #define LANES_WIDE(V)                                                                                            \
 static void lanes_wide_##V(const float *xt, const float *w, int64_t ldw, int64_t K, int64_t rows,              \
@@ -2730,7 +2820,7 @@ static int linear_wide_span(const float *xt, int64_t R, const float *w, int64_t 
         for (int64_t v0 = 0; v0 < V; v0++) {
             lane_vector t[LANES];
             for (int64_t i = 0; i < LANES; i++) t[i] = i < here ? sums[(c0 + i) * V + v0] : (lane_vector){0};
-            transposed_16(t);
+            transposed_lanes(t);
             for (int64_t m = 0; m < LANES && v0 * LANES + m < R; m++) {
                 const lane_vector o = t[m] + add;
                 float *row = out + (v0 * LANES + m) * ldo + c0;
@@ -2752,11 +2842,11 @@ static float *transposed_rows(const float *x, int64_t R, int64_t ldx, int64_t K)
     for (int64_t v0 = 0; v0 < V; v0++) {
         const float *xv = x + v0 * LANES * ldx;
         const int64_t here = R - v0 * LANES < LANES ? R - v0 * LANES : LANES;
-        for (int64_t k0 = 0; k0 < whole; k0 += LANES) {  /* 16 x 16 at a time, in registers */
+        for (int64_t k0 = 0; k0 < whole; k0 += LANES) {  /* LANES x LANES at a time, in registers */
             lane_vector v[LANES];
             for (int64_t r = 0; r < LANES; r++)
                 v[r] = r < here ? *(const lane_vector *)(xv + r * ldx + k0) : (lane_vector){0};
-            transposed_16(v);
+            transposed_lanes(v);
             for (int64_t k = 0; k < LANES; k++) *(lane_vector *)(xt + ((k0 + k) * V + v0) * LANES) = v[k];
         }
         for (int64_t k = whole; k < K; k++)
@@ -2798,6 +2888,9 @@ static int linear_rows_span(const float *x, int64_t R, int64_t ldx, const float 
    -1 for a shape it does not take or a buffer it cannot have (the caller runs torch's matmul). Each thread takes one
    run of whole blocks (of the lanes' panels from LANES / 2 rows on); each output element is summed in one order
    whatever the thread count. */
+/* the floats in the kernel's vector: its loops' width on this CPU */
+int64_t codegen_lanes(void) { return LANES; }
+
 int64_t codegen_linear_rows(const float *x, int64_t R, int64_t ldx, const float *w, int64_t ldw, int64_t K,
                             int64_t N, const float *bias, float *out, int64_t ldo, int threads) {
     if (R < 1 || K < 1 || N < 1 || ldw < K || ldx < K) return -1;
@@ -2820,7 +2913,7 @@ int64_t codegen_linear_rows(const float *x, int64_t R, int64_t ldx, const float 
 
 #: one new token per row over its cached keys, grouped heads and sinks (`decode_attention`)
 _ATTENTION = r"""
-typedef int32_t lane_ints __attribute__((vector_size(64)));
+typedef int32_t lane_ints __attribute__((vector_size(LANES * 4)));
 
 /* a where the lanes of `take` are set (-1), b elsewhere */
 static inline lane_vector lanes_where(lane_ints take, lane_vector a, lane_vector b) {
@@ -2883,11 +2976,11 @@ static float exp_row(float *row, int64_t n, int64_t padded, float scale, const f
 }
 
 #define ATTENTION_HEADS 16   /* query heads per kv head the kernel takes */
-#define ATTENTION_VECTORS 16 /* head_dim / LANES it takes: head_dim up to 256 */
+#define ATTENTION_VECTORS (256 / LANES) /* head_dim / LANES it takes: head_dim up to 256 */
 
 /* Attention of one new token per row over its cached keys (a decode step), grouped heads and optional per-head
    sinks: out (B, Hq, D) contiguous = the values weighted by softmax([q.k * scale + mask, sink]) without the sink's
-   own share. Each kv head's keys and values are read once for its Hq / Hkv query heads, the scores of 16 keys summed
+   own share. Each kv head's keys and values are read once for its Hq / Hkv query heads, the scores of a vector of keys summed
    at once. q (B, Hq, D), k and v (B, Hkv, S, D), any strides with D's 1; mask (B, S) additive with strides smb, sms
    (NULL: none); sinks (Hq) or NULL. Returns 0, -1 for shapes it does not take, -2 when out of memory. */
 int64_t codegen_decode_attention(const float *q, int64_t B, int64_t Hq, int64_t D, int64_t sqb, int64_t sqh,
@@ -2906,7 +2999,7 @@ int64_t codegen_decode_attention(const float *q, int64_t B, int64_t Hq, int64_t 
             float *scores = buffer + (b * Hkv + h) * G * SP;
             const float *kb = k + b * skb + h * skh, *vb = v + b * svb + h * svh;
             lane_vector qv[ATTENTION_VECTORS];
-            /* scores, 16 keys at a time: their rows stay in L1 while each head of the group takes them */
+            /* scores, a vector of keys at a time: their rows stay in L1 while each head of the group takes them */
             for (int64_t s0 = 0; s0 < S; s0 += LANES) {
                 const int64_t n = S - s0 < LANES ? S - s0 : LANES;
                 lane_vector add = {0};
@@ -2930,7 +3023,7 @@ int64_t codegen_decode_attention(const float *q, int64_t B, int64_t Hq, int64_t 
                 inv[g] = exp_row(scores + g * SP, S, SP, 1.0f, NULL, 0, sinks ? sinks[h * G + g] : 0.0f,
                                  sinks != NULL);  /* scaled and masked as they were summed */
             /* values: each row once for as many of the group's heads as have their sums fit in registers */
-            const int64_t per = ATTENTION_VECTORS / DV;
+            const int64_t per = DV < ATTENTION_SUMS ? ATTENTION_SUMS / DV : 1;
             for (int64_t g0 = 0; g0 < G; g0 += per) {
                 const int64_t gn = G - g0 < per ? G - g0 : per;
                 lane_vector acc[ATTENTION_VECTORS];
@@ -3092,12 +3185,14 @@ def _build_kernel(compiler, flags, path):
         os.replace(built, path)
 
 
-@functools.lru_cache(maxsize=1)
-def grouped_mm_kernel():
-    """The loaded kernel (a ctypes function), or None where it cannot be had here (the reason is said once)."""
+@functools.lru_cache(maxsize=None)
+def grouped_mm_kernel(extra_flags: tuple = ()):
+    """The loaded kernel (a ctypes function), or None where it cannot be had here (the reason is said once).
+    `extra_flags`: more compiler flags, a build of its own (the tests build the 8-float vectors' loops on a CPU with
+    AVX-512 through `-mno-avx512f`, so that both widths are checked wherever they run)."""
     # fused multiply-adds where the CPU has them (ISO C's default, off, runs the dense loop's tile 10% slower)
     flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c99", "-ffp-contract=fast",
-             f"-DMAX_ROWS={SMALL_GROUP_ROWS}", f"-DWIDE_ROWS={DENSE_KERNEL_ROWS}"]
+             f"-DMAX_ROWS={SMALL_GROUP_ROWS}", f"-DWIDE_ROWS={DENSE_KERNEL_ROWS}", *extra_flags]
     try:
         compiler = _c_compiler()
         if compiler is None:
@@ -3125,6 +3220,11 @@ def grouped_mm_kernel():
     linear.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, ctypes.c_int]
     linear.restype = i64
     function.linear = linear
+    lanes = library.codegen_lanes
+    lanes.restype = i64
+    function.lanes = lanes()
+    # the rows from which `linear_rows` leaves a product to torch whatever its weight
+    function.dense_rows_below = sys.maxsize if function.lanes >= 16 else NARROW_DENSE_ROWS
     attention = library.codegen_decode_attention
     attention.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ptr, i64,
                           i64, ptr, ctypes.c_float, ptr, ctypes.c_int]
@@ -3277,7 +3377,8 @@ def linear_rows(input, weight, bias=None):
     one thread, 1024 rows by a full-width Qwen1.5-MoE layer's dense weights from memory in huge pages: 108 GFLOP/s,
     `F.linear` 90-93). A prompt's `ONEDNN_ROWS` or more rows by a smaller weight go to oneDNN's sgemm (the same
     machine, a batch-16 prefill of toy GPT-OSS and Qwen1.5-MoE widths on 2 ranks: 282 -> 263 and 311 -> 287 ms against
-    torch's MKL); any other call is torch's own.
+    torch's MKL); any other call is torch's own. Where the kernel's vectors are 8 floats (no AVX-512), `NARROW_DENSE_ROWS`
+    rows or more are torch's or oneDNN's whatever the weight.
     It runs for every dense product of a decode step, so its checks are plain attribute reads (a call costs about
     what `F.linear`'s dispatch does)."""
     width, f32 = input.shape[-1], torch.float32
@@ -3289,6 +3390,8 @@ def linear_rows(input, weight, bias=None):
              and (bias is None or (bias.is_cpu and bias.dtype is f32 and bias.shape == weight.shape[:1])))
     takes = 1 <= rows and (wide or rows < ONEDNN_ROWS) and dense and weight.stride(1) == 1
     kernel = grouped_mm_kernel() if takes else None
+    if kernel is not None and rows >= kernel.dense_rows_below:
+        kernel = None
     if kernel is None:
         # oneDNN's op takes contiguous weights and biases only, and has no backward
         if (rows >= ONEDNN_ROWS and dense and ONEDNN_LINEAR and weight.is_contiguous()
