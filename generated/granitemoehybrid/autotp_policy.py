@@ -37,7 +37,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'granitemoehybrid', 'moe_classes': ['GraniteMoeHybridMoE'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': [], 'routers': ['router'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn', 'mamba'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['block_sparse_moe'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'intermediate_size'], 'linear_attention': None, 'whole_modules': ['GraniteMoeHybridMambaLayer', 'GraniteMoeHybridMLP']}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_granitemoehybrid'
-RUNTIME_SHA256 = '0f8f248e6c9d541caf6fbf7e6fc7f6eef367eaa533be1a9500cc3f49c7defdbe'
+RUNTIME_SHA256 = 'ab839c26ba0dc15c78c2cd253150c990fbf68310d8f5ed752ea3574d10bbb59f'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -2336,8 +2336,8 @@ _LINEAR = r"""
    vector is 8 floats and a tile half as many sums. The 16-float vector on AVX2 became two registers each, its tiles
    spilled their sums to the stack at every multiply-add and its shuffles went element by element: measured on an
    AMD EPYC (AVX2), one thread, 128 rows by a 256 x 512 weight 6.3 ms against torch's 0.50, a 2048-token prefill's
-   fused experts at toy Qwen3-MoE widths 1345 ms against 93 for torch's matmul per expert. Each shape can be set
-   with -D to measure another. */
+   fused experts at toy Qwen3-MoE widths 1345 ms against 93 for torch's matmul per expert. The narrower shapes can
+   be set with -D to measure others. */
 #if defined(__AVX512F__)
 #define LANES 16
 #define LINEAR_BLOCK 6     /* weight rows per tile of the dense loop (4 rows by 6: 24 sums) */
@@ -2383,9 +2383,9 @@ typedef float lane_vector __attribute__((vector_size(LANES * 4), aligned(4)));  
 
 #define SHUFFLE __builtin_shufflevector  /* GCC 12+ and clang */
 
-/* lane m of the result = the sum of v[m]'s lanes, for LANES vectors at once: four rounds of pairwise shuffles and adds
-   (15 vector adds) where summing each vector's lanes one by one takes 16 dependent scalar adds per vector, which
-   cost as much as the tile's own multiply-adds when K is 256-512 */
+/* lane m of the result = the sum of v[m]'s lanes, for LANES vectors at once: a round of pairwise shuffles and adds
+   per bit of the lane index (16 lanes: 4 rounds, 15 vector adds) where summing each vector's lanes one by one takes
+   LANES dependent scalar adds per vector, which cost as much as the tile's own multiply-adds when K is 256-512 */
 #if LANES == 16
 static inline lane_vector lanes_summed(const lane_vector *v) {
     lane_vector t[8], u[4], h[2];
@@ -2978,9 +2978,10 @@ static float exp_row(float *row, int64_t n, int64_t padded, float scale, const f
 
 /* Attention of one new token per row over its cached keys (a decode step), grouped heads and optional per-head
    sinks: out (B, Hq, D) contiguous = the values weighted by softmax([q.k * scale + mask, sink]) without the sink's
-   own share. Each kv head's keys and values are read once for its Hq / Hkv query heads, the scores of a vector of keys summed
-   at once. q (B, Hq, D), k and v (B, Hkv, S, D), any strides with D's 1; mask (B, S) additive with strides smb, sms
-   (NULL: none); sinks (Hq) or NULL. Returns 0, -1 for shapes it does not take, -2 when out of memory. */
+   own share. Each kv head's keys and values are read once for its Hq / Hkv query heads, the scores of a vector of
+   keys summed at once. q (B, Hq, D), k and v (B, Hkv, S, D), any strides with D's 1; mask (B, S) additive with
+   strides smb, sms (NULL: none); sinks (Hq) or NULL. Returns 0, -1 for shapes it does not take, -2 when out of
+   memory. */
 int64_t codegen_decode_attention(const float *q, int64_t B, int64_t Hq, int64_t D, int64_t sqb, int64_t sqh,
                                  const float *k, const float *v, int64_t Hkv, int64_t S, int64_t skb, int64_t skh,
                                  int64_t sks, int64_t svb, int64_t svh, int64_t svs, const float *mask, int64_t smb,
@@ -3375,8 +3376,8 @@ def linear_rows(input, weight, bias=None):
     one thread, 1024 rows by a full-width Qwen1.5-MoE layer's dense weights from memory in huge pages: 108 GFLOP/s,
     `F.linear` 90-93). A prompt's `ONEDNN_ROWS` or more rows by a smaller weight go to oneDNN's sgemm (the same
     machine, a batch-16 prefill of toy GPT-OSS and Qwen1.5-MoE widths on 2 ranks: 282 -> 263 and 311 -> 287 ms against
-    torch's MKL); any other call is torch's own. Where the kernel's vectors are 8 floats (no AVX-512), `NARROW_DENSE_ROWS`
-    rows or more are torch's or oneDNN's whatever the weight.
+    torch's MKL); any other call is torch's own. Where the kernel's vectors are 8 floats (no AVX-512),
+    `NARROW_DENSE_ROWS` rows or more are torch's or oneDNN's whatever the weight.
     It runs for every dense product of a decode step, so its checks are plain attribute reads (a call costs about
     what `F.linear`'s dispatch does)."""
     width, f32 = input.shape[-1], torch.float32
