@@ -37,7 +37,7 @@ has mapped it, so no buffer outlives the job however it ends (SIGKILL included).
 LAYOUT = {'family': 'qwen3_moe', 'moe_classes': ['Qwen3MoeSparseMoeBlock'], 'experts': 'experts', 'per_expert': {'gate': 'gate_proj', 'up': 'up_proj', 'down': 'down_proj'}, 'fused': {'kind': 'gate_up_rows', 'gate_up': 'gate_up_proj', 'down': 'down_proj', 'size_attr': 'intermediate_dim', 'gate_up_bias': '', 'down_bias': '', 'gate': 'silu', 'gate_params': []}, 'shared': [], 'routers': ['gate'], 'attention_replicated': [], 'attention_head_params': [], 'full_width_norms': [], 'attention_head_linears': [], 'attention_attrs': ['self_attn'], 'replicated': [], 'name_clashes': [], 'moe_block_attrs': ['mlp'], 'tp_divisible': ['num_attention_heads', 'num_key_value_heads', 'moe_intermediate_size', 'intermediate_size'], 'linear_attention': None}
 KNOB = 'codegen_coalesce_moe_all_reduce'
 MODELING_MODULE = 'modeling_qwen3_moe'
-RUNTIME_SHA256 = 'c7a8204972f1539f3ecbf0e3dddaadc753885699a9836ce3d3302fec19a44db0'
+RUNTIME_SHA256 = '423a70c71defc75b409a23be209432c4fba99791298fb43fa1dcf5c587709d97'
 
 # ---- the runtime: codegen/policy/runtime/*.py, assembled ----
 # ---- codegen/policy/runtime/base.py ----
@@ -1876,7 +1876,7 @@ full-width Qwen1.5-MoE layer's dense products streamed from memory: 12.0 -> 9.0-
 short prompt's prefill) they are the lanes of 2-4 vectors (`linear_wide_span`), where torch's BLAS packs the weight on
 every call: the same products at 64 rows, 33-37 -> 27 ms, in chunks of 64 from there on. A prompt of `ONEDNN_ROWS`
 rows or more by a weight under 4 MiB is oneDNN's sgemm, which outruns both the loop and torch's MKL there on an AMD
-EPYC.
+EPYC with AVX-512 (on a CPU without it, torch's MKL: `ONEDNN_OUTRUNS_TORCH`).
 
 And eager attention (codegen.policy.runtime.eager_attention): a decode step's (`decode_attention`: one new token
 per row over its cached keys, each kv head's keys and values read once for its query heads) and a prefill's
@@ -1929,6 +1929,11 @@ ONEDNN_ROWS = 512
 NARROW_DENSE_ROWS = 64
 #: whether this torch has oneDNN's linear op (torch's x86 and Arm CPU wheels do; inductor uses it)
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+#: whether oneDNN's sgemm outruns torch's own product on this CPU from `ONEDNN_ROWS` rows: with AVX-512 (as ATen's
+#: dispatch reads the CPU), not elsewhere. On an AMD EPYC with AVX2 only, one thread, weights from memory, oneDNN took
+#: 1.06-1.17x MKL's time summed over a row count's weights (2048 and 512 rows by 128x512 to 2048x1024; 1024 and 512
+#: rows by the full widths' 256x2048 to 5472x2048 at TP=2), and longer in 46 of the 52 products (0.93-1.27x each)
+ONEDNN_OUTRUNS_TORCH = torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 #: the torch.library Libraries the runtime's ops are defined through, alive as long as the process (their ops go
@@ -3364,8 +3369,8 @@ def linear_rows(input, weight, bias=None):
     one thread, 1024 rows by a full-width Qwen1.5-MoE layer's dense weights from memory in huge pages: 108 GFLOP/s,
     `F.linear` 90-93). A prompt's `ONEDNN_ROWS` or more rows by a smaller weight go to oneDNN's sgemm (the same
     machine, a batch-16 prefill of toy GPT-OSS and Qwen1.5-MoE widths on 2 ranks: 282 -> 263 and 311 -> 287 ms against
-    torch's MKL); any other call is torch's own. Where the kernel's vectors are 8 floats (no AVX-512),
-    `NARROW_DENSE_ROWS` rows or more are torch's or oneDNN's whatever the weight.
+    torch's MKL; without AVX-512 they are torch's, `ONEDNN_OUTRUNS_TORCH`); any other call is torch's own. Where the
+    kernel's vectors are 8 floats (no AVX-512), `NARROW_DENSE_ROWS` rows or more are torch's whatever the weight.
     It runs for every dense product of a decode step, so its checks are plain attribute reads (a call costs about
     what `F.linear`'s dispatch does)."""
     width, f32 = input.shape[-1], torch.float32
@@ -3381,7 +3386,7 @@ def linear_rows(input, weight, bias=None):
         kernel = None
     if kernel is None:
         # oneDNN's op takes contiguous weights and biases only, and has no backward
-        if (rows >= ONEDNN_ROWS and dense and ONEDNN_LINEAR and weight.is_contiguous()
+        if (rows >= ONEDNN_ROWS and dense and ONEDNN_LINEAR and ONEDNN_OUTRUNS_TORCH and weight.is_contiguous()
                 and (bias is None or bias.is_contiguous()) and not torch.is_grad_enabled()):
             return torch.ops.mkldnn._linear_pointwise(input if input.is_contiguous() else input.contiguous(), weight,
                                                       bias, "none", [], "")
